@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of Tessera's scheduling core (``python -m benchmarks.<name>``)."""

@@ -1,0 +1,1 @@
+"""Tessera node agent: GPU discovery, registration and MIG realization on one node."""

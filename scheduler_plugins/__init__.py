@@ -1,0 +1,1 @@
+"""Tessera scheduler plugins: the pure scheduling core and the adapters around it."""

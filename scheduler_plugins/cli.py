@@ -1,0 +1,83 @@
+"""``tessera``: the one command-line entry point; subcommands stay thin."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from scheduler_plugins.config import DeviceConfig, convert_known_geometries, load_config_file
+from scheduler_plugins.errors import InvalidInputError
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from scheduler_plugins.simulate import render_table, simulate
+
+    config = load_config_file(args.config) if args.config else DeviceConfig()
+    results = simulate(Path(args.cluster), Path(args.pods), config)
+    if args.output == "json":
+        collected = list(results)  # validate everything before printing anything
+        for r in collected:
+            print(r.to_json())
+    else:
+        print(render_table(list(results)))
+    return 0
+
+
+def _cmd_config_convert(args: argparse.Namespace) -> int:
+    try:
+        text = Path(args.file).read_text()
+    except OSError as e:
+        raise InvalidInputError(f"{args.file}: cannot read: {e.strerror}") from e
+    out = convert_known_geometries(text)
+    if args.output:
+        Path(args.output).write_text(out)
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    load_config_file(args.file)
+    print(f"{args.file}: ok")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="where would these pods go, and if not, why")
+    sim.add_argument("--cluster", required=True, help="Nodes and existing Pods (YAML)")
+    sim.add_argument("--pods", required=True, help="Pods to place, in order (YAML)")
+    sim.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
+    sim.add_argument("--output", choices=("json", "table"), default="table")
+    sim.set_defaults(func=_cmd_simulate)
+
+    cfg = sub.add_parser("config", help="device-config.yaml tools")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    conv = cfg_sub.add_parser("convert", help="knownMigGeometries -> migProfileAllowlist")
+    conv.add_argument("file")
+    conv.add_argument("-o", "--output", help="write here instead of stdout")
+    conv.set_defaults(func=_cmd_config_convert)
+    check = cfg_sub.add_parser("check", help="validate a device-config.yaml")
+    check.add_argument("file")
+    check.set_defaults(func=_cmd_config_check)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except InvalidInputError as e:
+        print(f"tessera: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,586 @@
+"""One scheduling decision per pod: every node's verdict, score and planned devices.
+
+This is what the plugin server answers in one round trip. All nodes are evaluated with
+vectorized numpy over the GPU rows of ``ClusterState``; only the chosen node's plan is
+turned into Python objects (``Decision.plan_for``). A Decision is valid until the next
+change of the state it was computed from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntFlag
+
+import numpy as np
+import numpy.typing as npt
+
+from scheduler_plugins.annotations import GpuMode
+from scheduler_plugins.node_register import Placement
+from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
+from scheduler_plugins.pods import ContainerRequest, PodAllocation, PodRequest
+from scheduler_plugins.policy import Policy
+from scheduler_plugins.state import MAX_SLICES, ClusterState, Layout
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+B = npt.NDArray[np.bool_]
+
+
+class Reason(IntFlag):
+    """Why a GPU (and, OR-ed over its GPUs, a node) cannot take the request."""
+
+    NO_GPU = 1 << 0
+    UNHEALTHY = 1 << 1
+    TYPE = 1 << 2
+    UUID = 1 << 3
+    MODE = 1 << 4
+    SLOTS = 1 << 5
+    MEMORY = 1 << 6
+    CORES = 1 << 7
+    EXCLUSIVE = 1 << 8
+    TOO_FEW_GPUS = 1 << 9
+    MIG_NO_PROFILE = 1 << 10
+    MIG_CAPACITY = 1 << 11
+    MIG_FRAGMENTATION = 1 << 12
+    MIG_CONFLICT = 1 << 13
+    TOO_FEW_FITTING = 1 << 14
+
+
+REASON_TEXT: dict[Reason, str] = {
+    Reason.NO_GPU: "no GPU registered",
+    Reason.UNHEALTHY: "GPU unhealthy",
+    Reason.TYPE: "GPU type excluded by use-gputype/nouse-gputype",
+    Reason.UUID: "GPU excluded by use-gpuuuid/nouse-gpuuuid",
+    Reason.MODE: "GPU mode does not match nvidia.com/vgpu-mode",
+    Reason.SLOTS: "no free vGPU slot",
+    Reason.MEMORY: "insufficient GPU memory",
+    Reason.CORES: "insufficient GPU cores",
+    Reason.EXCLUSIVE: "gpucores 100 needs an unused GPU",
+    Reason.TOO_FEW_GPUS: "fewer GPUs than requested",
+    Reason.MIG_NO_PROFILE: "no allowed MIG profile large enough",
+    Reason.MIG_CAPACITY: "MIG capacity: not enough free slices",
+    Reason.MIG_FRAGMENTATION: "MIG fragmentation: enough free slices but no legal placement",
+    Reason.MIG_CONFLICT: "inconsistent MIG reservations on GPU (fail closed)",
+    Reason.TOO_FEW_FITTING: "fewer fitting GPUs than requested",
+}
+
+
+def reason_names(bits: int) -> list[str]:
+    return [REASON_TEXT[r] for r in Reason if bits & r]
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    uuid: str
+    mem: int
+    cores: int
+    mig_profile: str | None = None
+    placement: Placement | None = None
+    gpu_score: float = 0.0
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """The devices a pod would take on one node, per container (pod order)."""
+
+    pod: str
+    node: str
+    containers: tuple[tuple[PlannedDevice, ...], ...]
+
+    def allocation(self, cpu_milli: int = 0, memory_bytes: int = 0) -> PodAllocation:
+        shared: list[DeviceAlloc] = []
+        mig: list[MigAllocation] = []
+        for ci, devices in enumerate(self.containers):
+            for di, d in enumerate(devices):
+                if d.mig_profile is not None and d.placement is not None:
+                    mig.append(MigAllocation(ci, di, d.uuid, d.mig_profile, d.placement))
+                else:
+                    shared.append(DeviceAlloc(d.uuid, d.mem, d.cores))
+        return PodAllocation(
+            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes
+        )
+
+    def device_allocs(self) -> tuple[tuple[DeviceAlloc, ...], ...]:
+        return tuple(
+            tuple(DeviceAlloc(d.uuid, d.mem, d.cores) for d in devices)
+            for devices in self.containers
+        )
+
+
+@dataclass
+class _ContainerPlan:
+    request: ContainerRequest
+    rows: I64  # [S, count], -1 where none
+    mig_rank: I64  # [S, count], -1 for hami-core devices
+    mig_start: I64  # [S, count]
+    gpu_score: F64  # [S, count] GPU score (usage including this request)
+
+
+@dataclass
+class Decision:
+    """Verdicts for every node (segments of the layout, plus GPU-less nodes)."""
+
+    request: PodRequest
+    layout: Layout
+    feasible: B  # [S]
+    score: F64  # [S] node usage score before this pod
+    desirability: F64  # [S] higher is better (score signed by the node policy)
+    reasons: I64  # [S] Reason bits, meaningful where not feasible
+    _plans: list[_ContainerPlan]
+    _state: ClusterState
+
+    # --- queries ---
+
+    def feasible_count(self) -> int:
+        return int(np.count_nonzero(self.feasible))
+
+    def best_node(self) -> str | None:
+        """Highest desirability; ties by node name."""
+        idx = np.flatnonzero(self.feasible)
+        if idx.size == 0:
+            return None
+        best = self.desirability[idx].max()
+        tied = idx[self.desirability[idx] >= best - 1e-9]
+        return min(str(self.layout.names[i]) for i in tied.tolist())
+
+    def node_index(self, node: str) -> int:
+        try:
+            return self.layout.names.index(node)
+        except ValueError:
+            return -1
+
+    def plan_for(self, node: str) -> PodPlan | None:
+        self._check_fresh()
+        s = self.node_index(node)
+        if s < 0 or not self.feasible[s]:
+            return None
+        state = self._state
+        g = state.gpus
+        per_container: dict[int, tuple[PlannedDevice, ...]] = {}
+        for cp in self._plans:
+            devices: list[PlannedDevice] = []
+            for k in range(cp.request.count):
+                r = int(cp.rows[s, k])
+                uuid = _row_uuid(state, node, r)
+                rank = int(cp.mig_rank[s, k])
+                if rank >= 0:
+                    geom = state.geometries[int(g.geom[r])]
+                    prof = geom.profiles[rank]
+                    start = int(cp.mig_start[s, k])
+                    size = next(p.size for p in prof.placements if p.start == start)
+                    devices.append(
+                        PlannedDevice(
+                            uuid,
+                            prof.memory_mb,
+                            prof.core,
+                            prof.name,
+                            Placement(start, size),
+                            float(cp.gpu_score[s, k]),
+                        )
+                    )
+                else:
+                    devices.append(
+                        PlannedDevice(
+                            uuid,
+                            cp.request.mem_for(int(g.mem[r])),
+                            cp.request.cores,
+                            gpu_score=float(cp.gpu_score[s, k]),
+                        )
+                    )
+            per_container[cp.request.index] = tuple(devices)
+        return PodPlan(
+            self.request.key,
+            node,
+            tuple(per_container.get(i, ()) for i in range(self.request.container_count)),
+        )
+
+    def verdicts(self) -> list[tuple[str, bool, float, list[str]]]:
+        """(node, feasible, score, reasons) for every node, sorted by name (for people)."""
+        out = [
+            (
+                name,
+                bool(self.feasible[i]),
+                float(self.score[i]),
+                [] if self.feasible[i] else reason_names(int(self.reasons[i])),
+            )
+            for i, name in enumerate(self.layout.names)
+        ]
+        out += [(name, False, 0.0, [REASON_TEXT[Reason.NO_GPU]]) for name in self.layout.gpu_less]
+        return sorted(out)
+
+    def _check_fresh(self) -> None:
+        if self._state.layout_version != self.layout.version:
+            raise RuntimeError("decision used after the cluster layout changed; decide again")
+
+
+def _row_uuid(state: ClusterState, node: str, row: int) -> str:
+    entry = state.nodes[node]
+    return entry.devices[row - entry.start].id
+
+
+class _Usage:
+    """Usage columns; copied on first write so the state is never touched by a decision."""
+
+    def __init__(self, state: ClusterState, n: int) -> None:
+        g = state.gpus
+        self.slots: F64 = g.used_slots[:n]
+        self.mem: F64 = g.used_mem[:n]
+        self.cores: F64 = g.used_cores[:n]
+        self.mask: I64 = g.mig_mask[:n]
+        self._copied = False
+
+    def writable(self) -> _Usage:
+        if not self._copied:
+            self.slots, self.mem = self.slots.copy(), self.mem.copy()
+            self.cores, self.mask = self.cores.copy(), self.mask.copy()
+            self._copied = True
+        return self
+
+
+def _seg_max_first(values: F64, ok: B, layout: Layout) -> tuple[I64, B]:
+    """Per segment: the first row with the maximum value among ``ok`` rows."""
+    n = layout.n_rows
+    v = np.where(ok, values, -np.inf)
+    seg_max = np.maximum.reduceat(v, layout.starts) if n else np.zeros(0)
+    seg = layout.seg_of_row
+    is_best = ok & (seg >= 0) & (v >= seg_max[np.maximum(seg, 0)] - 1e-9)
+    cand = np.where(is_best, np.arange(n), n)
+    first = np.minimum.reduceat(cand, layout.starts) if n else np.zeros(0, np.int64)
+    found = first < n
+    return np.where(found, first, -1).astype(np.int64), found
+
+
+def decide(state: ClusterState, request: PodRequest) -> Decision:
+    layout = state.layout()
+    n = layout.n_rows
+    S = len(layout.names)
+    g = state.gpus
+    live = g.node[:n] >= 0
+    reasons_rows = np.zeros(n, np.int64)
+
+    # Static per-pod masks.
+    base = live.copy()
+    unhealthy = ~g.healthy[:n] | (g.conflict[:n] > 0)
+    reasons_rows |= np.where(~g.healthy[:n], int(Reason.UNHEALTHY), 0)
+    reasons_rows |= np.where(g.healthy[:n] & (g.conflict[:n] > 0), int(Reason.MIG_CONFLICT), 0)
+    base &= ~unhealthy
+    if request.use_types or request.nouse_types:
+        ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
+        type_ok = ok_types[g.type_id[:n]]
+        reasons_rows |= np.where(type_ok, 0, int(Reason.TYPE))
+        base &= type_ok
+    if request.use_uuids or request.nouse_uuids:
+        uuid_ok = _uuid_mask(state, request, n)
+        reasons_rows |= np.where(uuid_ok, 0, int(Reason.UUID))
+        base &= uuid_ok
+    is_mig = g.is_mig[:n]
+    allow_core = request.mode in (None, "hami-core")
+    allow_mig = request.mode in (None, "mig")
+    mode_bad = (is_mig & ~np.bool_(allow_mig)) | (~is_mig & ~np.bool_(allow_core))
+    reasons_rows |= np.where(mode_bad, int(Reason.MODE), 0)
+
+    usage = _Usage(state, n)
+    feasible = np.ones(S, np.bool_)
+    node_reasons = np.zeros(S, np.int64)
+    plans: list[_ContainerPlan] = []
+    remaining = request.device_count
+    for c in request.containers:
+        remaining -= c.count
+        rows = np.full((S, c.count), -1, np.int64)
+        rank = np.full((S, c.count), -1, np.int64)
+        start = np.full((S, c.count), -1, np.int64)
+        ok_c = np.zeros(S, np.bool_)
+        desir_c = np.full(S, -np.inf)
+        gscore = np.zeros((S, c.count))
+        paths: list[tuple[B, F64, I64, I64, I64, F64]] = []
+        if allow_core:
+            paths.append(
+                _hami_core(
+                    state, layout, c, request.gpu_policy, usage, base & ~is_mig, reasons_rows
+                )
+            )
+        if allow_mig:
+            paths.append(
+                _mig(
+                    state,
+                    layout,
+                    c,
+                    request.gpu_policy,
+                    usage,
+                    base & is_mig,
+                    reasons_rows,
+                    multi=c.count > 1 or remaining > 0,
+                )
+            )
+        for p_ok, p_desir, p_rows, p_rank, p_start, p_score in paths:
+            better = p_ok & (~ok_c | (p_desir > desir_c))
+            ok_c |= p_ok
+            desir_c = np.where(better, p_desir, desir_c)
+            rows[better], rank[better], start[better] = (
+                p_rows[better],
+                p_rank[better],
+                p_start[better],
+            )
+            gscore[better] = p_score[better]
+        feasible &= ok_c
+        plans.append(_ContainerPlan(c, rows, rank, start, gscore))
+        if remaining > 0:
+            _commit(state, usage, c, rows, rank, start, ok_c)
+
+    seg_reasons = (
+        np.bitwise_or.reduceat(reasons_rows, layout.starts) if n else np.zeros(0, np.int64)
+    )
+    node_reasons = np.where(feasible, 0, seg_reasons | node_reasons)
+    too_few = _too_few_gpus(layout, live, request)
+    node_reasons |= np.where(too_few & ~feasible, int(Reason.TOO_FEW_GPUS), 0)
+    if not request.containers:
+        feasible[:] = True
+    score = _node_scores(state, layout, live)
+    return Decision(
+        request=request,
+        layout=layout,
+        feasible=feasible,
+        score=score,
+        desirability=score * request.node_policy.sign,
+        reasons=node_reasons,
+        _plans=plans,
+        _state=state,
+    )
+
+
+def _type_ok(gpu_type: str, request: PodRequest) -> bool:
+    upper = gpu_type.upper()
+    if request.use_types and not any(t.upper() in upper for t in request.use_types):
+        return False
+    return not any(t.upper() in upper for t in request.nouse_types)
+
+
+def _uuid_mask(state: ClusterState, request: PodRequest, n: int) -> B:
+    use, nouse = set(request.use_uuids), set(request.nouse_uuids)
+    ok = np.full(n, not use, np.bool_)
+    for entry in state.nodes.values():
+        for uuid, r in entry.rows.items():
+            if uuid in use:
+                ok[r] = True
+            if uuid in nouse:
+                ok[r] = False
+    return ok
+
+
+def _gpu_score(
+    g_slots: F64,
+    g_mem: F64,
+    g_cores: F64,
+    used: _Usage,
+    req_mem: F64 | float,
+    req_cores: F64 | float,
+) -> F64:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = (
+            (1 + used.slots) / g_slots
+            + (req_cores + used.cores) / g_cores
+            + (req_mem + used.mem) / g_mem
+        ) * 10
+    return np.nan_to_num(s)
+
+
+def _hami_core(
+    state: ClusterState,
+    layout: Layout,
+    c: ContainerRequest,
+    policy: Policy,
+    usage: _Usage,
+    ok_base: B,
+    reasons_rows: I64,
+) -> tuple[B, F64, I64, I64, I64, F64]:
+    n = layout.n_rows
+    g = state.gpus
+    slots, mem, cores = g.slots[:n], g.mem[:n], g.cores[:n]
+    req_mem = float(c.mem_mib) if c.mem_mib else np.floor(mem * c.mem_percent / 100)
+    slots_ok = usage.slots < slots
+    mem_ok = mem - usage.mem >= req_mem
+    cores_ok = (cores - usage.cores >= c.cores) & (usage.cores < cores)
+    excl_ok = (c.cores < cores) | (usage.slots == 0)
+    bits = (
+        np.where(slots_ok, 0, int(Reason.SLOTS))
+        | np.where(mem_ok, 0, int(Reason.MEMORY))
+        | np.where(cores_ok, 0, int(Reason.CORES))
+        | np.where(excl_ok, 0, int(Reason.EXCLUSIVE))
+    )
+    reasons_rows |= np.where(ok_base, bits, 0)
+    fit = ok_base & slots_ok & mem_ok & cores_ok & excl_ok
+    desir = _gpu_score(slots, mem, cores, usage, req_mem, float(c.cores)) * policy.sign
+    S = len(layout.names)
+    rows = np.full((S, c.count), -1, np.int64)
+    scores = np.zeros((S, c.count))
+    total = np.zeros(S)
+    found_all = np.ones(S, np.bool_)
+    avail = fit.copy()
+    for k in range(c.count):
+        best, found = _seg_max_first(desir, avail, layout)
+        found_all &= found
+        rows[:, k] = best
+        picked = best[found]
+        total[found] += desir[picked]
+        scores[found, k] = desir[picked] * policy.sign
+        avail[picked] = False
+    if c.count > 1 and n:
+        fit_count = np.add.reduceat(fit.astype(np.int64), layout.starts)
+        partial = (fit_count > 0) & (fit_count < c.count)
+        _mark_segments(reasons_rows, layout, partial, Reason.TOO_FEW_FITTING)
+    return found_all, total, rows, np.full_like(rows, -1), np.full_like(rows, -1), scores
+
+
+def _mark_segments(reasons_rows: I64, layout: Layout, segs: B, reason: Reason) -> None:
+    idx = layout.starts[segs]
+    reasons_rows[idx] |= int(reason)
+
+
+def _mig(
+    state: ClusterState,
+    layout: Layout,
+    c: ContainerRequest,
+    policy: Policy,
+    usage: _Usage,
+    ok_base: B,
+    reasons_rows: I64,
+    *,
+    multi: bool,
+) -> tuple[B, F64, I64, I64, I64, F64]:
+    n = layout.n_rows
+    S = len(layout.names)
+    g = state.gpus
+    rows = np.full((S, c.count), -1, np.int64)
+    rank_out = np.full((S, c.count), -1, np.int64)
+    start_out = np.full((S, c.count), -1, np.int64)
+    scores = np.zeros((S, c.count))
+    total = np.zeros(S)
+    found_all = np.ones(S, np.bool_)
+    no_geom = ok_base & (g.geom[:n] < 0)
+    reasons_rows |= np.where(no_geom, int(Reason.MIG_NO_PROFILE), 0)
+    if multi:
+        usage = usage.writable()
+    for k in range(c.count):
+        prof = np.full(n, -1, np.int64)
+        start = np.full(n, -1, np.int64)
+        pmem = np.zeros(n)
+        pcore = np.zeros(n)
+        for gid, grow in layout.geom_rows:
+            r = grow[ok_base[grow]]
+            if r.size == 0:
+                continue
+            geom = state.geometries[gid]
+            req_mem = np.full(r.size, c.mem_mib) if c.mem_mib else g.mem[r] * c.mem_percent // 100
+            fits = (geom.memory[None, :] >= req_mem[:, None]) & (geom.cores[None, :] >= c.cores)
+            any_fit = fits.any(axis=1)
+            min_rank = np.where(any_fit, fits.argmax(axis=1), 0)
+            masks = usage.mask[r] & geom.table.full_mask
+            ch_p = geom.table.profile[masks, min_rank].astype(np.int64)
+            ch_s = geom.table.start[masks, min_rank].astype(np.int64)
+            frag = geom.table.fragmented[masks, min_rank]
+            ch_p = np.where(any_fit, ch_p, -1)
+            if k == 0:
+                bits = np.where(
+                    ~any_fit,
+                    int(Reason.MIG_NO_PROFILE),
+                    np.where(
+                        ch_p >= 0,
+                        0,
+                        np.where(frag, int(Reason.MIG_FRAGMENTATION), int(Reason.MIG_CAPACITY)),
+                    ),
+                )
+                reasons_rows[r] |= bits
+            got = ch_p >= 0
+            prof[r] = ch_p
+            start[r] = np.where(got, ch_s, -1)
+            pmem[r] = np.where(got, geom.memory[np.maximum(ch_p, 0)], 0)
+            pcore[r] = np.where(got, geom.cores[np.maximum(ch_p, 0)], 0)
+        fit = prof >= 0
+        desir = _gpu_score(g.slots[:n], g.mem[:n], g.cores[:n], usage, pmem, pcore) * policy.sign
+        best, found = _seg_max_first(desir, fit, layout)
+        found_all &= found
+        picked = best[found]
+        rows[:, k] = best
+        rank_out[found, k] = prof[picked]
+        start_out[found, k] = start[picked]
+        total[found] += desir[picked]
+        scores[found, k] = desir[picked] * policy.sign
+        if k + 1 < c.count and picked.size:
+            _add_mig(state, usage, picked, prof[picked], start[picked], pmem[picked], pcore[picked])
+    return found_all, total, rows, rank_out, start_out, scores
+
+
+def _add_mig(
+    state: ClusterState, usage: _Usage, rows: I64, prof: I64, start: I64, pmem: F64, pcore: F64
+) -> None:
+    g = state.gpus
+    for r, p, s in zip(rows.tolist(), prof.tolist(), start.tolist(), strict=True):
+        geom = state.geometries[int(g.geom[r])]
+        size = next(pl.size for pl in geom.profiles[p].placements if pl.start == s)
+        usage.mask[r] |= ((1 << size) - 1) << s
+    usage.slots[rows] += 1
+    usage.mem[rows] += pmem
+    usage.cores[rows] += pcore
+
+
+def _commit(
+    state: ClusterState, usage: _Usage, c: ContainerRequest, rows: I64, rank: I64, start: I64, ok: B
+) -> None:
+    """Count a container's planned devices before planning the next container."""
+    u = usage.writable()
+    g = state.gpus
+    for s in np.flatnonzero(ok).tolist():
+        for k in range(c.count):
+            r = int(rows[s, k])
+            p = int(rank[s, k])
+            if p >= 0:
+                geom = state.geometries[int(g.geom[r])]
+                prof = geom.profiles[p]
+                size = next(pl.size for pl in prof.placements if pl.start == int(start[s, k]))
+                u.mask[r] |= ((1 << size) - 1) << int(start[s, k])
+                u.slots[r] += 1
+                u.mem[r] += prof.memory_mb
+                u.cores[r] += prof.core
+            else:
+                u.slots[r] += 1
+                u.mem[r] += c.mem_for(int(g.mem[r]))
+                u.cores[r] += c.cores
+
+
+def _too_few_gpus(layout: Layout, live: B, request: PodRequest) -> B:
+    need = max((c.count for c in request.containers), default=0)
+    if not layout.n_rows or need <= 1:
+        return np.zeros(len(layout.names), np.bool_)
+    counts = np.add.reduceat(live.astype(np.int64), layout.starts)
+    return np.asarray(counts < need, np.bool_)
+
+
+def _node_scores(state: ClusterState, layout: Layout, live: B) -> F64:
+    n = layout.n_rows
+    if not n:
+        return np.zeros(0)
+    g = state.gpus
+
+    def seg_sum(a: F64) -> F64:
+        return np.add.reduceat(np.where(live, a[:n], 0.0), layout.starts)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        score = (
+            seg_sum(g.used_slots) / seg_sum(g.slots)
+            + seg_sum(g.used_cores) / seg_sum(g.cores)
+            + seg_sum(g.used_mem) / seg_sum(g.mem)
+        ) * 10
+        if state.config.node_score_cpu_memory:
+            idx = layout.node_idx
+            score += (
+                state.node_cpu_req[idx] / state.node_cpu_alloc[idx]
+                + state.node_mem_req[idx] / state.node_mem_alloc[idx]
+            ) * 10
+    return np.nan_to_num(score, posinf=0.0, neginf=0.0)
+
+
+def mode_of_plan(plan: PodPlan) -> GpuMode:
+    return "mig" if any(d.mig_profile for c in plan.containers for d in c) else "hami-core"
+
+
+__all__ = ["MAX_SLICES", "Decision", "PlannedDevice", "PodPlan", "Reason", "decide"]

@@ -1,0 +1,49 @@
+"""Tessera's exception hierarchy, named by what the caller should do.
+
+- ``InvalidInputError`` and its children: the input is wrong and retrying will not help;
+  the message names the object and field and says what to change.
+- ``TemporaryError``: the operation may succeed later (an API or hardware hiccup).
+"""
+
+from __future__ import annotations
+
+
+class TesseraError(Exception):
+    """Base of every error Tessera raises on purpose."""
+
+
+class InvalidInputError(TesseraError):
+    """Permanent: the input is malformed or violates the contract."""
+
+
+class InvalidAnnotationError(InvalidInputError):
+    """An annotation value does not follow its wire format."""
+
+    def __init__(self, key: str, problem: str, *, obj: str = "") -> None:
+        self.key = key
+        self.problem = problem
+        self.obj = obj
+        where = f"{obj}: " if obj else ""
+        super().__init__(f"{where}annotation {key}: {problem}")
+
+
+class InvalidConfigError(InvalidInputError):
+    """The device config is invalid; ``path`` is the dotted path of the bad field."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}" if path else problem)
+
+
+class InvalidRequestError(InvalidInputError):
+    """A pod asks for GPU resources in a way Tessera cannot satisfy on any cluster."""
+
+    def __init__(self, pod: str, problem: str) -> None:
+        self.pod = pod
+        self.problem = problem
+        super().__init__(f"pod {pod}: {problem}")
+
+
+class TemporaryError(TesseraError):
+    """Transient: retry later."""

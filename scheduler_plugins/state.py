@@ -1,0 +1,490 @@
+"""Cluster GPU state, kept incrementally in columnar (numpy) form.
+
+One row per physical GPU; each node owns a contiguous block of rows. Pods change usage by
+deltas on their rows (O(devices)); a node whose GPU list changes gets a fresh block and its
+pods are re-applied. Assumed reservations are ordinary pod records flagged ``assumed``
+until the pod's own annotations replace them. The decision code reads the arrays as they
+are; nothing is rebuilt per scheduling cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from scheduler_plugins.config import DeviceConfig
+from scheduler_plugins.mig_policy import ChoiceTable, build_choice_table, sort_profiles
+from scheduler_plugins.node_register import GpuDevice, MigProfile, Placement
+from scheduler_plugins.pods import PodAllocation
+
+MAX_SLICES = 16
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A MIG geometry class: the allowed profiles of a GPU as its node registered them."""
+
+    profiles: tuple[MigProfile, ...]  # sorted: rank = index
+    table: ChoiceTable
+    memory: npt.NDArray[np.int64]  # per rank
+    cores: npt.NDArray[np.int64]  # per rank
+    slices: int
+
+    def rank_of(self, name: str) -> int:
+        for i, p in enumerate(self.profiles):
+            if p.name == name:
+                return i
+        return -1
+
+
+@dataclass
+class NodeEntry:
+    name: str
+    idx: int
+    start: int  # first GPU row
+    devices: tuple[GpuDevice, ...]
+    rows: dict[str, int]  # GPU UUID -> row
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    register_value: str | None = None
+
+
+@dataclass
+class _Record:
+    alloc: PodAllocation
+    assumed: bool
+    applied: bool = False
+
+
+def _zeros(n: int, dtype: type[Any] = np.float64) -> npt.NDArray[Any]:
+    return np.zeros(n, dtype=dtype)
+
+
+@dataclass
+class GpuArrays:
+    """Per-GPU columns. Rows not owned by a node have ``node == -1``."""
+
+    node: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    slots: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    mem: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    cores: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    used_slots: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    used_mem: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    used_cores: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    healthy: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    is_mig: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    mig_mask: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    conflict: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    geom: npt.NDArray[np.int16] = field(default_factory=lambda: np.zeros(0, np.int16))
+    type_id: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    slice_use: npt.NDArray[np.int16] = field(
+        default_factory=lambda: np.zeros((0, MAX_SLICES), np.int16)
+    )
+
+    def grow(self, n: int) -> None:
+        for name in (
+            "node",
+            "slots",
+            "mem",
+            "cores",
+            "used_slots",
+            "used_mem",
+            "used_cores",
+            "healthy",
+            "is_mig",
+            "mig_mask",
+            "conflict",
+            "geom",
+            "type_id",
+            "slice_use",
+        ):
+            arr = getattr(self, name)
+            extra_shape = (n, *arr.shape[1:])
+            fill = -1 if name in ("node", "geom") else 0
+            setattr(self, name, np.concatenate([arr, np.full(extra_shape, fill, arr.dtype)]))
+
+    def __len__(self) -> int:
+        return len(self.node)
+
+
+class ClusterState:
+    """Nodes, GPUs and the pods that hold them. Single-threaded; callers serialize."""
+
+    def __init__(self, config: DeviceConfig) -> None:
+        self.config = config
+        self.gpus = GpuArrays()
+        self.nodes: dict[str, NodeEntry] = {}
+        self.node_names: list[str] = []  # by node idx; "" for a free idx
+        self._free_idx: list[int] = []
+        self._used_rows = 0  # rows handed out (including dead ones)
+        self._live_rows = 0
+        self.types: list[str] = []
+        self._type_ids: dict[str, int] = {}
+        self.geometries: list[Geometry] = []
+        self._geom_ids: dict[tuple[str, tuple[MigProfile, ...]], int] = {}
+        self._records: dict[str, _Record] = {}
+        self._by_node: dict[str, set[str]] = {}
+        self.layout_version = 0  # bumped whenever rows or node indices change
+        self._layout: Layout | None = None
+        # Per-node columns (by node idx).
+        self.node_cpu_alloc = _zeros(0)
+        self.node_mem_alloc = _zeros(0)
+        self.node_cpu_req = _zeros(0)
+        self.node_mem_req = _zeros(0)
+
+    # ----- nodes -------------------------------------------------------------------------
+
+    def upsert_node(
+        self,
+        name: str,
+        devices: tuple[GpuDevice, ...],
+        *,
+        cpu_milli: int = 0,
+        memory_bytes: int = 0,
+    ) -> None:
+        entry = self.nodes.get(name)
+        if entry is not None and entry.devices == devices:
+            entry.cpu_milli, entry.memory_bytes = cpu_milli, memory_bytes
+            self.node_cpu_alloc[entry.idx] = cpu_milli
+            self.node_mem_alloc[entry.idx] = memory_bytes
+            return
+        if entry is not None:
+            self._unapply_node_pods(name)
+            self._release_rows(entry)
+            idx = entry.idx
+        else:
+            idx = self._alloc_node_idx(name)
+        start = self._alloc_rows(len(devices))
+        entry = NodeEntry(name, idx, start, devices, {}, cpu_milli, memory_bytes)
+        g = self.gpus
+        for i, d in enumerate(devices):
+            r = start + i
+            entry.rows[d.id] = r
+            g.node[r] = idx
+            g.slots[r] = d.count
+            g.mem[r] = d.devmem
+            g.cores[r] = d.devcore
+            g.used_slots[r] = g.used_mem[r] = g.used_cores[r] = 0
+            g.healthy[r] = d.health
+            g.is_mig[r] = d.mode == "mig"
+            g.mig_mask[r] = 0
+            g.conflict[r] = 0
+            g.slice_use[r] = 0
+            g.type_id[r] = self._type_id(d.type)
+            g.geom[r] = self._geometry_id(d) if d.mode == "mig" else -1
+        self._live_rows += len(devices)
+        self.nodes[name] = entry
+        self.node_cpu_alloc[idx] = cpu_milli
+        self.node_mem_alloc[idx] = memory_bytes
+        self.layout_version += 1
+        self._apply_node_pods(name)
+
+    def remove_node(self, name: str) -> None:
+        entry = self.nodes.pop(name, None)
+        if entry is None:
+            return
+        self._unapply_node_pods(name, entry)
+        self._release_rows(entry)
+        self.node_names[entry.idx] = ""
+        self._free_idx.append(entry.idx)
+        self.node_cpu_alloc[entry.idx] = 0
+        self.node_mem_alloc[entry.idx] = 0
+        self.layout_version += 1
+
+    def _alloc_node_idx(self, name: str) -> int:
+        if self._free_idx:
+            idx = self._free_idx.pop()
+            self.node_names[idx] = name
+            return idx
+        self.node_names.append(name)
+        idx = len(self.node_names) - 1
+        if idx >= len(self.node_cpu_alloc):
+            n = max(64, len(self.node_cpu_alloc))
+            for attr in ("node_cpu_alloc", "node_mem_alloc", "node_cpu_req", "node_mem_req"):
+                setattr(self, attr, np.concatenate([getattr(self, attr), _zeros(n)]))
+        return idx
+
+    def _alloc_rows(self, n: int) -> int:
+        if self._used_rows + n > len(self.gpus):
+            if self._live_rows + n <= len(self.gpus) // 2:
+                self._compact()
+            if self._used_rows + n > len(self.gpus):
+                self.gpus.grow(max(n, len(self.gpus), 256))
+        start = self._used_rows
+        self._used_rows += n
+        return start
+
+    def _release_rows(self, entry: NodeEntry) -> None:
+        n = len(entry.devices)
+        self.gpus.node[entry.start : entry.start + n] = -1
+        self._live_rows -= n
+
+    def _compact(self) -> None:
+        """Move live node blocks together; dead rows come from nodes that re-registered."""
+        g = self.gpus
+        order = sorted(self.nodes.values(), key=lambda e: e.start)
+        pos = 0
+        for e in order:
+            n = len(e.devices)
+            if e.start != pos:
+                for name in (
+                    "node",
+                    "slots",
+                    "mem",
+                    "cores",
+                    "used_slots",
+                    "used_mem",
+                    "used_cores",
+                    "healthy",
+                    "is_mig",
+                    "mig_mask",
+                    "conflict",
+                    "geom",
+                    "type_id",
+                    "slice_use",
+                ):
+                    arr = getattr(g, name)
+                    arr[pos : pos + n] = arr[e.start : e.start + n].copy()
+                e.rows = {uuid: pos + (r - e.start) for uuid, r in e.rows.items()}
+                e.start = pos
+            pos += n
+        g.node[pos:] = -1
+        self._used_rows = pos
+        self.layout_version += 1
+
+    def _type_id(self, gpu_type: str) -> int:
+        tid = self._type_ids.get(gpu_type)
+        if tid is None:
+            tid = len(self.types)
+            self.types.append(gpu_type)
+            self._type_ids[gpu_type] = tid
+        return tid
+
+    def _geometry_id(self, d: GpuDevice) -> int:
+        allowed = set(self.config.allowed_profiles(d.type))
+        profiles = sort_profiles([p for p in d.mig_profiles if p.name in allowed])
+        if not profiles:
+            return -1
+        key = (d.type, profiles)
+        gid = self._geom_ids.get(key)
+        if gid is None:
+            table = build_choice_table(profiles, self.config.mig_placement_policy)
+            gid = len(self.geometries)
+            self.geometries.append(
+                Geometry(
+                    profiles=table.profiles,
+                    table=table,
+                    memory=np.array([p.memory_mb for p in table.profiles], np.int64),
+                    cores=np.array([p.core for p in table.profiles], np.int64),
+                    slices=table.total_slices,
+                )
+            )
+            self._geom_ids[key] = gid
+        return gid
+
+    # ----- pods --------------------------------------------------------------------------
+
+    def upsert_pod(self, alloc: PodAllocation | None, key: str) -> None:
+        """Record what a pod holds (None: it holds nothing, e.g. it ended)."""
+        self._drop(key)
+        if alloc is not None:
+            self._add(key, alloc, assumed=False)
+
+    def remove_pod(self, key: str) -> None:
+        self._drop(key)
+
+    def assume(self, alloc: PodAllocation) -> None:
+        """Count a reservation now, before the pod's annotations are visible."""
+        self._drop(alloc.key)
+        self._add(alloc.key, alloc, assumed=True)
+
+    def forget(self, key: str) -> bool:
+        """Drop an assumed reservation (idempotent); a confirmed one is kept."""
+        rec = self._records.get(key)
+        if rec is None or not rec.assumed:
+            return False
+        self._drop(key)
+        return True
+
+    def is_assumed(self, key: str) -> bool:
+        rec = self._records.get(key)
+        return rec is not None and rec.assumed
+
+    def allocation(self, key: str) -> PodAllocation | None:
+        rec = self._records.get(key)
+        return rec.alloc if rec else None
+
+    def allocations(self) -> Iterator[PodAllocation]:
+        return (r.alloc for r in self._records.values())
+
+    def _add(self, key: str, alloc: PodAllocation, *, assumed: bool) -> None:
+        rec = _Record(alloc, assumed)
+        self._records[key] = rec
+        self._by_node.setdefault(alloc.node, set()).add(key)
+        entry = self.nodes.get(alloc.node)
+        if entry is not None:
+            self._apply(entry, rec, +1)
+
+    def _drop(self, key: str) -> None:
+        rec = self._records.pop(key, None)
+        if rec is None:
+            return
+        keys = self._by_node.get(rec.alloc.node)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_node[rec.alloc.node]
+        entry = self.nodes.get(rec.alloc.node)
+        if entry is not None and rec.applied:
+            self._apply(entry, rec, -1)
+
+    def _apply_node_pods(self, name: str) -> None:
+        entry = self.nodes[name]
+        for key in sorted(self._by_node.get(name, ())):
+            rec = self._records[key]
+            if not rec.applied:
+                self._apply(entry, rec, +1)
+
+    def _unapply_node_pods(self, name: str, entry: NodeEntry | None = None) -> None:
+        entry = entry or self.nodes[name]
+        for key in self._by_node.get(name, ()):
+            rec = self._records[key]
+            if rec.applied:
+                self._apply(entry, rec, -1)
+
+    def _apply(self, entry: NodeEntry, rec: _Record, sign: int) -> None:
+        g = self.gpus
+        alloc = rec.alloc
+        self.node_cpu_req[entry.idx] += sign * alloc.cpu_milli
+        self.node_mem_req[entry.idx] += sign * alloc.memory_bytes
+        for d in alloc.devices:
+            r = entry.rows.get(d.uuid)
+            if r is None:
+                continue  # a GPU the node no longer registers: nothing there to count
+            g.used_slots[r] += sign
+            g.used_mem[r] += sign * d.mem
+            g.used_cores[r] += sign * d.cores
+        for m in alloc.mig:
+            r = entry.rows.get(m.gpu_uuid)
+            if r is None:
+                continue
+            mem, cores = self._mig_usage(r, m.profile, m.placement)
+            g.used_slots[r] += sign
+            g.used_mem[r] += sign * mem
+            g.used_cores[r] += sign * cores
+            end = min(m.placement.end, MAX_SLICES)
+            g.slice_use[r, m.placement.start : end] += sign
+            use = g.slice_use[r]
+            g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), 1 << np.arange(MAX_SLICES)))
+            g.conflict[r] = int(np.count_nonzero(use > 1))
+        rec.applied = sign > 0
+
+    def _mig_usage(self, row: int, profile: str, placement: Placement) -> tuple[int, int]:
+        gid = int(self.gpus.geom[row])
+        if gid >= 0:
+            geom = self.geometries[gid]
+            rank = geom.rank_of(profile)
+            if rank >= 0:
+                return int(geom.memory[rank]), int(geom.cores[rank])
+            slices = geom.slices
+        else:
+            slices = 8
+        # A profile the node no longer offers: count its share of the card.
+        frac = placement.size / max(slices, 1)
+        return int(self.gpus.mem[row] * frac), int(self.gpus.cores[row] * frac)
+
+    # ----- views -------------------------------------------------------------------------
+
+    def layout(self) -> Layout:
+        """Segments of rows per node, rebuilt only when rows or nodes changed."""
+        if self._layout is None or self._layout.version != self.layout_version:
+            self._layout = Layout.of(self)
+        return self._layout
+
+    def node_rows(self, name: str) -> range:
+        e = self.nodes[name]
+        return range(e.start, e.start + len(e.devices))
+
+    def live_node_indices(self) -> npt.NDArray[np.int64]:
+        return np.array(sorted(e.idx for e in self.nodes.values()), np.int64)
+
+    def usage_snapshot(self) -> dict[str, Any]:
+        """Per-GPU usage keyed by node/uuid, for comparing two states in tests and checks."""
+        out: dict[str, Any] = {}
+        g = self.gpus
+        for name, e in sorted(self.nodes.items()):
+            for uuid, r in sorted(e.rows.items()):
+                out[f"{name}/{uuid}"] = (
+                    float(g.used_slots[r]),
+                    float(g.used_mem[r]),
+                    float(g.used_cores[r]),
+                    int(g.mig_mask[r]),
+                    int(g.conflict[r]),
+                )
+            out[f"{name}/cpu-mem"] = (
+                float(self.node_cpu_req[e.idx]),
+                float(self.node_mem_req[e.idx]),
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Nodes with GPUs as segments of consecutive rows, in row order, for ``reduceat``.
+
+    Segment i covers rows ``[starts[i], starts[i+1])``; rows in it that no node owns
+    (``node == -1``) must be masked out by callers.
+    """
+
+    version: int
+    n_rows: int
+    starts: npt.NDArray[np.int64]
+    node_idx: npt.NDArray[np.int64]
+    names: tuple[str, ...]
+    seg_of_row: npt.NDArray[np.int64]  # -1 for dead rows
+    gpu_less: tuple[str, ...]  # nodes that register no GPU
+    geom_rows: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry id, live MIG rows)
+
+    @staticmethod
+    def of(state: ClusterState) -> Layout:
+        entries = sorted((e for e in state.nodes.values() if e.devices), key=lambda e: e.start)
+        n_rows = state._used_rows
+        g = state.gpus
+        seg_of_row = np.full(n_rows, -1, np.int64)
+        for i, e in enumerate(entries):
+            seg_of_row[e.start : e.start + len(e.devices)] = i
+        live = g.node[:n_rows] >= 0
+        geom = g.geom[:n_rows]
+        mig_live = live & g.is_mig[:n_rows] & (geom >= 0)
+        geom_rows = tuple(
+            (int(gid), np.flatnonzero(mig_live & (geom == gid)))
+            for gid in np.unique(geom[mig_live])
+        )
+        return Layout(
+            version=state.layout_version,
+            n_rows=n_rows,
+            starts=np.array([e.start for e in entries], np.int64),
+            node_idx=np.array([e.idx for e in entries], np.int64),
+            names=tuple(e.name for e in entries),
+            seg_of_row=seg_of_row,
+            gpu_less=tuple(sorted(e.name for e in state.nodes.values() if not e.devices)),
+            geom_rows=geom_rows,
+        )
+
+
+def build_state(
+    config: DeviceConfig,
+    nodes: Iterable[tuple[str, tuple[GpuDevice, ...], int, int]],
+    pods: Mapping[str, PodAllocation],
+) -> ClusterState:
+    """A state built from scratch (what a restart does); equals the incremental one."""
+    state = ClusterState(config)
+    for name, devices, cpu, mem in nodes:
+        state.upsert_node(name, devices, cpu_milli=cpu, memory_bytes=mem)
+    for key, alloc in pods.items():
+        state.upsert_pod(alloc, key)
+    return state

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scheduler_plugins.cli import main
+
+EX = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str], str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, [line for line in out.splitlines() if line], err
+
+
+def _json(capsys: pytest.CaptureFixture[str], cluster: str, pods: str) -> list[dict[str, object]]:
+    code, lines, _ = _run(
+        capsys,
+        "simulate",
+        "--cluster",
+        str(EX / cluster),
+        "--pods",
+        str(EX / pods),
+        "--output",
+        "json",
+    )
+    assert code == 0
+    return [json.loads(line) for line in lines]
+
+
+def test_seed_binpack_puts_both_pods_on_node1(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "seed-node-score/cluster.yaml", "seed-node-score/pods-binpack.yaml")
+    assert [(r["pod"], r["node"]) for r in out] == [
+        ("default/pod1", "node1"),
+        ("default/pod2", "node1"),
+    ]
+    assert "node score 19.75" in str(out[0]["reason"])
+
+
+def test_seed_spread_first_pod_goes_to_the_lower_node(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _json(capsys, "seed-node-score/cluster.yaml", "seed-node-score/pods-spread.yaml")
+    assert [r["node"] for r in out] == ["node2", "node1"]
+    assert "node score 10.50" in str(out[0]["reason"])
+
+
+def test_mig_example_output_annotations_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    (r,) = _json(capsys, "dynamic-mig/cluster.yaml", "dynamic-mig/pods.yaml")
+    assert r["status"] == "Scheduled"
+    ann = r["annotations"]
+    assert isinstance(ann, dict)
+    assert set(ann) == {
+        "hami.io/vgpu-node",
+        "hami.io/vgpu-devices-allocated",
+        "hami.io/vgpu-devices-to-allocate",
+        "hami.io/vgpu-mig-allocations",
+    }
+    mig = json.loads(ann["hami.io/vgpu-mig-allocations"])
+    assert [m["profile"] for m in mig] == ["2g.10gb", "2g.10gb"]
+    uuid = mig[0]["gpuUUID"]
+    assert ann["hami.io/vgpu-devices-allocated"] == f"{uuid},NVIDIA,9984,29:{uuid},NVIDIA,9984,29:;"
+
+
+def test_fragmentation_stays_unschedulable_with_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    (r,) = _json(capsys, "mig-fragmentation/cluster.yaml", "mig-fragmentation/pods.yaml")
+    assert r["status"] == "Unschedulable" and r["node"] is None and r["annotations"] == {}
+    assert "fragmentation" in str(r["reason"]) and "[6,8)" in str(r["reason"])
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, lines, _ = _run(
+        capsys,
+        "simulate",
+        "--cluster",
+        str(EX / "seed-gpu-score/cluster.yaml"),
+        "--pods",
+        str(EX / "seed-gpu-score/pods.yaml"),
+    )
+    assert code == 0
+    assert lines[0].split()[:4] == ["POD", "STATUS", "NODE", "DEVICES"]
+    assert "GPU score 9.75" in lines[1]
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("kind: Node\nmetadata: {name: n}\nmetadata: [", "not valid YAML"),
+        ("kind: Service\nmetadata: {name: s}\n", "expected a Node or Pod"),
+        (
+            "kind: Node\nmetadata: {name: n, annotations: {hami.io/node-nvidia-register: 'x'}}\n",
+            "Node n: annotation hami.io/node-nvidia-register",
+        ),
+        (
+            "kind: Pod\nmetadata: {name: p}\nspec: {nodeName: ghost, containers: []}\n"
+            "status: {phase: Running}\n",
+            "",
+        ),
+        ("kind: Pod\nmetadata: {}\n", "has no metadata.name"),
+    ],
+)
+def test_invalid_cluster_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, fragment: str
+) -> None:
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text(content)
+    code, lines, err = _run(
+        capsys,
+        "simulate",
+        "--cluster",
+        str(bad),
+        "--pods",
+        str(EX / "dynamic-mig/pods.yaml"),
+        "--output",
+        "json",
+    )
+    if not fragment:  # a pod on an unknown node without GPU annotations holds nothing
+        assert code == 0
+        return
+    assert code == 2 and lines == []
+    assert len(err.strip().splitlines()) == 1
+    assert str(bad) in err and fragment in err
+
+
+def test_invalid_pod_request_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(
+        "kind: Pod\nmetadata: {name: greedy}\nspec:\n  containers:\n  - name: c\n"
+        "    resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpucores: 150}}\n"
+    )
+    code, _, err = _run(
+        capsys,
+        "simulate",
+        "--cluster",
+        str(EX / "dynamic-mig/cluster.yaml"),
+        "--pods",
+        str(pods),
+        "--output",
+        "json",
+    )
+    assert code == 2
+    assert "Pod default/greedy" in err and "nvidia.com/gpucores" in err
+
+
+def test_config_convert_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "nvidia:\n  knownMigGeometries:\n  - models: [A30]\n    allowedGeometries:\n"
+        "    - - {name: 1g.6gb, memory: 6144, count: 4}\n"
+    )
+    code, _, err = _run(
+        capsys,
+        "simulate",
+        "--cluster",
+        str(EX / "dynamic-mig/cluster.yaml"),
+        "--pods",
+        str(EX / "dynamic-mig/pods.yaml"),
+        "--config",
+        str(old),
+    )
+    assert code == 2 and "tessera config convert" in err
+    new = tmp_path / "new.yaml"
+    assert main(["config", "convert", str(old), "-o", str(new)]) == 0
+    assert main(["config", "check", str(new)]) == 0
+    assert "migProfileAllowlist" in new.read_text()
