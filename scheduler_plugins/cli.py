@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scheduler_plugins.config import DeviceConfig, convert_known_geometries, load_config_file
-from scheduler_plugins.errors import InvalidInputError
+from scheduler_plugins.errors import InvalidInputError, TesseraError
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -65,7 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     check.set_defaults(func=_cmd_config_check)
 
+    _add_optional_commands(sub)
     return parser
+
+
+def _add_optional_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from scheduler_plugins.devcluster.cli import add_cluster_commands
+
+    add_cluster_commands(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidInputError as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2
+    except TesseraError as e:
+        print(f"tessera: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
 

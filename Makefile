@@ -1,0 +1,65 @@
+# Tessera developer entry points. Build outputs and Go caches live under $(TESSERA_CACHE), never
+# in the repo.
+TESSERA_CACHE ?= $(HOME)/.cache/tessera
+export TESSERA_CACHE
+export GOCACHE := $(TESSERA_CACHE)/go-build
+export GOMODCACHE := $(TESSERA_CACHE)/gomod
+BIN_DIR := $(TESSERA_CACHE)/bin
+
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEVCLUSTER := $(PYTHON) -m scheduler_plugins.cli cluster
+CLUSTER_NAME ?= tessera
+NODES ?= 0
+PROFILE ?= examples/cluster-profile.yaml
+
+.PHONY: setup demo test lint typecheck unit integration bench tools cluster-up cluster-down cluster-status
+
+## setup: Python virtualenv with Tessera and its dev tools (re-run when pyproject.toml changes)
+setup: $(STAMP)
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	touch $@
+
+## demo: the main job — place the shipped example workloads and print where they went and why
+demo: setup
+	@bash hack/demo.sh
+
+## test: everything — lint, strict typing, unit + property tests, integration tests
+test: lint typecheck unit integration
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check scheduler_plugins node_agent tests benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(VENV)/bin/pytest tests/unit tests/property
+
+integration: setup tools
+	$(VENV)/bin/pytest tests/integration
+
+## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality)
+bench: setup
+	$(PYTHON) -m benchmarks.placement_quality
+	$(PYTHON) -m benchmarks.decision_latency
+
+## tools: build etcd, kube-apiserver, kubectl and kwok into $(BIN_DIR) (cached; fast when warm)
+tools:
+	bash hack/build-tools.sh
+
+## cluster-up: start the local dev cluster (NODES=N PROFILE=FILE to add fake GPU nodes)
+cluster-up: setup tools
+	$(DEVCLUSTER) up --name $(CLUSTER_NAME) $(if $(filter-out 0,$(NODES)),--nodes $(NODES) --profile $(PROFILE))
+
+## cluster-down: stop every process of the dev cluster
+cluster-down:
+	$(DEVCLUSTER) down --name $(CLUSTER_NAME)
+
+cluster-status:
+	$(DEVCLUSTER) status --name $(CLUSTER_NAME)

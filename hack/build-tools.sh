@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Builds the dev-cluster binaries (etcd, kube-apiserver, kubectl, kwok) from the Go module proxy
+# into $TESSERA_CACHE/bin. Idempotent: a binary is rebuilt only when its inputs change (its tools
+# module's go.mod/go.sum, the package, the ldflags, the Go version, or this script).
+#
+# Usage: hack/build-tools.sh [--force] [TOOL...]     (default: every tool in the table below)
+# Env:   TESSERA_CACHE (default ~/.cache/tessera), GO_BUILD_P (default 2: the machine has 2 cores)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TESSERA_CACHE="${TESSERA_CACHE:-${HOME}/.cache/tessera}"
+BIN_DIR="${TESSERA_CACHE}/bin"
+STAMP_DIR="${TESSERA_CACHE}/stamps"
+export GOCACHE="${GOCACHE:-${TESSERA_CACHE}/go-build}"
+export GOMODCACHE="${GOMODCACHE:-${TESSERA_CACHE}/gomod}"
+# Never fetch another toolchain behind our back; go.mod files say `go 1.26.0`.
+export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
+GO_BUILD_P="${GO_BUILD_P:-2}"
+
+log() { printf 'build-tools: %s\n' "$*" >&2; }
+
+# The k8s version stamp comes from the kube tools module so /version matches what was built.
+kube_version() {
+  awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ { print $2; exit }' "${ROOT}/hack/tools/kube/go.mod"
+}
+
+kube_ldflags() {
+  local v major minor flags="" pkg
+  v="$(kube_version)"
+  major="${v#v}"; major="${major%%.*}"
+  minor="${v#v*.}"; minor="${minor%%.*}"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    flags+=" -X ${pkg}.gitVersion=${v} -X ${pkg}.gitMajor=${major} -X ${pkg}.gitMinor=${minor}"
+    flags+=" -X ${pkg}.gitTreeState=clean"
+  done
+  printf '%s' "${flags}"
+}
+
+# Tool table: NAME MODULE_DIR PACKAGE LDFLAGS_FUNCTION.
+# A later kube-scheduler with Tessera's plugin adds one line here (its own module under
+# hack/tools/ or sidecar-go/), nothing else.
+TOOLS=(
+  "etcd           hack/tools/kube go.etcd.io/etcd/server/v3           -"
+  "kube-apiserver hack/tools/kube k8s.io/kubernetes/cmd/kube-apiserver kube_ldflags"
+  "kubectl        hack/tools/kube k8s.io/kubernetes/cmd/kubectl        kube_ldflags"
+  "kwok           hack/tools/kwok sigs.k8s.io/kwok/cmd/kwok           -"
+)
+
+stamp_key() {
+  local moddir="$1" pkg="$2" ldflags="$3"
+  {
+    go version
+    printf '%s\n%s\n' "${pkg}" "${ldflags}"
+    cat "${ROOT}/${moddir}/go.mod" "${ROOT}/${moddir}/go.sum"
+    cat "${BASH_SOURCE[0]}"
+  } | sha256sum | cut -d' ' -f1
+}
+
+build_one() {
+  local name="$1" moddir="$2" pkg="$3" ldfn="$4" force="$5"
+  local ldflags="-s -w" key stamp="${STAMP_DIR}/${name}.sha256" started
+  [[ "${ldfn}" == "-" ]] || ldflags+=" $("${ldfn}")"
+  key="$(stamp_key "${moddir}" "${pkg}" "${ldflags}")"
+  if [[ "${force}" == 0 && -x "${BIN_DIR}/${name}" && -f "${stamp}" && "$(cat "${stamp}")" == "${key}" ]]; then
+    log "${name}: up to date"
+    return 0
+  fi
+  log "${name}: building ${pkg} (module ${moddir}, -p ${GO_BUILD_P})"
+  started=${SECONDS}
+  # -mod=readonly: go.sum must already be complete; a stale one fails here, not half-way.
+  (cd "${ROOT}/${moddir}" && go build -mod=readonly -trimpath -p "${GO_BUILD_P}" \
+      -ldflags "${ldflags}" -o "${BIN_DIR}/.${name}.tmp" "${pkg}")
+  mv -f "${BIN_DIR}/.${name}.tmp" "${BIN_DIR}/${name}"
+  printf '%s\n' "${key}" > "${stamp}"
+  log "${name}: built in $((SECONDS - started))s -> ${BIN_DIR}/${name}"
+}
+
+main() {
+  local force=0 want=() entry name moddir pkg ldfn found
+  while (($#)); do
+    case "$1" in
+      --force) force=1 ;;
+      -h|--help) sed -n '2,8p' "${BASH_SOURCE[0]}"; return 0 ;;
+      -*) log "unknown flag: $1"; return 2 ;;
+      *) want+=("$1") ;;
+    esac
+    shift
+  done
+  command -v go >/dev/null || { log "go not found on PATH: install Go 1.26+"; return 1; }
+  mkdir -p "${BIN_DIR}" "${STAMP_DIR}" "${GOCACHE}" "${GOMODCACHE}"
+  for name in "${want[@]}"; do
+    found=0
+    for entry in "${TOOLS[@]}"; do
+      [[ "${entry%% *}" == "${name}" ]] && found=1
+    done
+    ((found)) || { log "unknown tool '${name}'; known: etcd kube-apiserver kubectl kwok"; return 2; }
+  done
+  for entry in "${TOOLS[@]}"; do
+    read -r name moddir pkg ldfn <<<"${entry}"
+    if ((${#want[@]})) && [[ " ${want[*]} " != *" ${name} "* ]]; then
+      continue
+    fi
+    build_one "${name}" "${moddir}" "${pkg}" "${ldfn}" "${force}"
+  done
+}
+
+main "$@"

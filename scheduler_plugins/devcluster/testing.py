@@ -1,0 +1,63 @@
+"""Helpers for tests that run against a dev cluster (used by tests/integration/conftest.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler_plugins.devcluster.kubeapi import KubeApi
+from scheduler_plugins.devcluster.layout import LOOPBACK, ClusterSettings, default_cache_dir
+from scheduler_plugins.devcluster.nodes import NodeProfile
+
+
+@dataclass(frozen=True)
+class ClusterClient:
+    """What a test needs to talk to a running dev cluster."""
+
+    server: str
+    token: str
+    kubeconfig: Path
+    ca_file: Path
+    api: KubeApi
+    settings: ClusterSettings
+    profile: NodeProfile
+    nodes: tuple[str, ...]
+
+    def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.settings.binary("kubectl")), f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free right now (the OS picks them)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((LOOPBACK, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def settings_in(state_dir: Path, name: str) -> ClusterSettings:
+    """A cluster living in ``state_dir`` on free ports, using the shared tools bin dir."""
+    etcd, peer, apiserver, kwok = free_ports(4)
+    return ClusterSettings(
+        name=name,
+        cache_dir=default_cache_dir(),
+        etcd_port=etcd,
+        etcd_peer_port=peer,
+        apiserver_port=apiserver,
+        kwok_port=kwok,
+        state_dir_override=state_dir,
+    )

@@ -1,0 +1,92 @@
+"""A real dev cluster (etcd + kube-apiserver + kwok) for the integration tests.
+
+The session fixture builds the tools (``hack/build-tools.sh``: seconds when cached, many
+minutes cold), starts a cluster on free loopback ports in a temp dir, adds a few fake GPU
+nodes and tears everything down at the end, checking that no process is left. A build or
+start failure fails the tests loudly: nothing here skips.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from scheduler_plugins.devcluster.cluster import Cluster, ClusterInfo
+from scheduler_plugins.devcluster.layout import ClusterSettings, default_cache_dir, repo_root
+from scheduler_plugins.devcluster.nodes import NodeGroup, NodeProfile, add_nodes, wait_ready
+from scheduler_plugins.devcluster.testing import ClusterClient, settings_in
+
+BUILD_TIMEOUT_S = 3600  # a cold build of kube-apiserver on 2 cores takes many minutes
+
+# Two models, both modes: enough to check the register annotation end to end.
+PROFILE = NodeProfile(
+    name_prefix="it-gpu",
+    groups=(
+        NodeGroup("A100-PCIE-40GB", gpus_per_node=4, mode="hami-core", labels={"gpu": "on"}),
+        NodeGroup("H100 80GB", gpus_per_node=8, mode="mig", labels={"gpu": "on"}),
+    ),
+)
+NODE_COUNT = 4
+
+
+@pytest.fixture(scope="session")
+def built_tools() -> Path:
+    """Build (or find cached) etcd, kube-apiserver, kubectl, kwok; fail loudly if impossible."""
+    script = repo_root() / "hack" / "build-tools.sh"
+    try:
+        proc = subprocess.run(
+            ["bash", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} did not finish in {BUILD_TIMEOUT_S}s: {e}", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"{script} failed (exit {proc.returncode}); the integration tests need its "
+            f"binaries.\n--- stderr (tail) ---\n{proc.stderr[-6000:]}",
+            pytrace=False,
+        )
+    return default_cache_dir() / "bin"
+
+
+@pytest.fixture(scope="session")
+def dev_cluster(
+    built_tools: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterClient]:
+    settings = settings_in(tmp_path_factory.mktemp("devcluster"), "it")
+    cluster = Cluster(settings)
+    with ExitStack() as stack:
+        stack.callback(_assert_nothing_left, cluster)
+        stack.callback(cluster.down)
+        info: ClusterInfo = cluster.up(timeout_s=120)
+        api = stack.enter_context(info.api())
+        names = add_nodes(api, PROFILE, NODE_COUNT)
+        wait_ready(api, names, timeout_s=120)
+        yield ClusterClient(
+            server=info.server,
+            token=info.token,
+            kubeconfig=info.kubeconfig,
+            ca_file=info.ca_file,
+            api=api,
+            settings=settings,
+            profile=PROFILE,
+            nodes=tuple(names),
+        )
+
+
+@pytest.fixture
+def spare_settings(built_tools: Path, tmp_path: Path) -> ClusterSettings:
+    """Settings for one more cluster (own temp state dir, free ports)."""
+    return settings_in(tmp_path / "state", "spare")
+
+
+def _assert_nothing_left(cluster: Cluster) -> None:
+    left = cluster.running_pids()
+    assert not left, f"cluster processes left running after down: {left}"
