@@ -197,6 +197,11 @@ def simulated_gpu_uuid(node_name: str, index: int) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def simulated_numa(index: int, gpu_count: int) -> int:
+    """NUMA node of a simulated GPU: one node up to 4 GPUs, else two halves."""
+    return 0 if gpu_count <= 4 else index * 2 // gpu_count
+
+
 def simulated_devices(
     node_name: str, model: str, gpu_count: int, mode: GpuMode, config: DeviceConfig | None = None
 ) -> tuple[GpuDevice, ...]:
@@ -223,7 +228,7 @@ def simulated_devices(
             devmem=int(m.memory_mib * (scaling if mode == "hami-core" else 1.0)),
             devcore=100,
             type=m.name,
-            numa=0 if gpu_count <= 4 else i * 2 // gpu_count,
+            numa=simulated_numa(i, gpu_count),
             health=True,
             mode=mode,
             mig_profiles=profiles,

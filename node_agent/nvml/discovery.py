@@ -1,0 +1,126 @@
+"""What a node registers, discovered through an ``NvmlBackend``.
+
+``discover`` is pure apart from the backend's read-only calls: it produces the
+``GpuDevice`` records of ``hami.io/node-nvidia-register``. In mig mode each GPU lists the
+allowlisted profiles NVML resolves, in allowlist order, with NVML's memory, slice count
+and possible placements, and ``core = ceil(profile SMs × 100 / full-GPU SMs)``.
+
+Profile names are policy labels, NVML works with profile indexes: to resolve a name the
+GPU's profile index constants (0..17) are queried; a profile's name is the one NVML's v2
+info gives (``"MIG 2g.10gb"`` -> ``"2g.10gb"``), or, from bindings that return v1 info
+without a name, the catalog's name of the profile with the same id and slice count on
+that model (matching by id, not memory, because memory sizes drift between drivers).
+Allowlisted names that resolve to nothing are left out, as HAMi does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from node_agent.gpu_catalog import UnknownModelError, find_model
+from node_agent.nvml.backend import (
+    GPU_INSTANCE_PROFILE_INDEXES,
+    DeviceInfo,
+    GpuInstanceProfileInfo,
+    NvmlBackend,
+)
+from node_agent.nvml.errors import InvalidArgument, NotFound, NotSupported
+from scheduler_plugins.annotations import GpuMode
+from scheduler_plugins.node_register import GpuDevice, MigProfile
+
+_ABSENT = (NotSupported, InvalidArgument, NotFound)
+
+
+def discover(
+    backend: NvmlBackend,
+    allowlist_profiles_for: Callable[[str], tuple[str, ...]],
+    mode: GpuMode,
+    split_count: int,
+    memory_scaling: float,
+) -> tuple[GpuDevice, ...]:
+    """The GPUs of this node as it registers them (``backend`` must be initialized)."""
+    devices: list[GpuDevice] = []
+    for index in range(backend.device_count()):
+        dev = backend.device(index)
+        profiles: tuple[MigProfile, ...] = ()
+        if mode == "mig":
+            profiles = mig_profiles(backend, dev, allowlist_profiles_for(dev.name))
+        devices.append(
+            GpuDevice(
+                id=dev.uuid,
+                index=dev.index,
+                count=split_count,
+                devmem=int(dev.memory_mib * (memory_scaling if mode == "hami-core" else 1.0)),
+                devcore=100,
+                type=dev.name,
+                numa=dev.numa_node,
+                health=dev.healthy,
+                mode=mode,
+                mig_profiles=profiles,
+            )
+        )
+    return tuple(devices)
+
+
+def mig_profiles(
+    backend: NvmlBackend, dev: DeviceInfo, allowed: tuple[str, ...]
+) -> tuple[MigProfile, ...]:
+    """The allowlisted profiles NVML resolves on ``dev``; none unless MIG mode is on."""
+    if not allowed or dev.multiprocessor_count <= 0:
+        return ()
+    try:
+        if not backend.mig_mode(dev.index).current:
+            return ()
+    except NotSupported:
+        return ()
+    resolved = resolve_profiles(backend, dev)
+    out: list[MigProfile] = []
+    for name in allowed:
+        info = resolved.get(name)
+        if info is None:
+            continue
+        placements = tuple(backend.gpu_instance_possible_placements(dev.index, info.id))
+        if not placements:
+            continue
+        out.append(
+            MigProfile(
+                name=name,
+                memory_mb=info.memory_mib,
+                core=math.ceil(info.multiprocessor_count * 100 / dev.multiprocessor_count),
+                slice_count=info.slice_count,
+                placements=placements,
+            )
+        )
+    return tuple(out)
+
+
+def resolve_profiles(backend: NvmlBackend, dev: DeviceInfo) -> dict[str, GpuInstanceProfileInfo]:
+    """Profile name -> NVML profile info, for every profile index the GPU answers."""
+    out: dict[str, GpuInstanceProfileInfo] = {}
+    for profile_index in GPU_INSTANCE_PROFILE_INDEXES:
+        try:
+            info = backend.gpu_instance_profile_info(dev.index, profile_index)
+        except _ABSENT:
+            continue
+        name = _profile_name(info, dev.name)
+        if name is not None:
+            out.setdefault(name, info)
+    return out
+
+
+def _profile_name(info: GpuInstanceProfileInfo, device_name: str) -> str | None:
+    if info.name:
+        return info.name.strip().removeprefix("MIG ").strip()
+    try:
+        model = find_model(device_name)
+    except UnknownModelError:
+        return None
+    return next(
+        (
+            p.name
+            for p in model.profiles
+            if p.profile_id == info.id and p.slice_count == info.slice_count
+        ),
+        None,
+    )

@@ -1,0 +1,157 @@
+"""discover() registers exactly what the simulated kwok nodes register."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from node_agent.gpu_catalog import MODELS, simulated_devices
+from node_agent.nvml import (
+    BACKEND_KINDS,
+    GpuInstanceProfileInfo,
+    PynvmlBackend,
+    SimulatedGpuSpec,
+    SimulatedNvml,
+    backend_from_env,
+    make_backend,
+)
+from node_agent.nvml.discovery import discover
+from scheduler_plugins.annotations import GpuMode
+from scheduler_plugins.config import DeviceConfig
+from scheduler_plugins.errors import InvalidConfigError
+
+A100 = "NVIDIA A100-PCIE-40GB"
+MIG_MODELS = [m.name for m in MODELS if m.mig_capable]
+
+
+def node(model: str, count: int, **spec: object) -> SimulatedNvml:
+    sim = SimulatedNvml(
+        [SimulatedGpuSpec(model, **spec) for _ in range(count)],  # type: ignore[arg-type]
+        node_name="node-a",
+    )
+    sim.init()
+    return sim
+
+
+@pytest.mark.parametrize("model", [m.name for m in MODELS])
+@pytest.mark.parametrize("mode", ["mig", "hami-core"])
+@pytest.mark.parametrize("count", [2, 8])
+def test_discovery_matches_the_simulated_node_register(
+    model: str, mode: GpuMode, count: int
+) -> None:
+    cfg = DeviceConfig()
+    sim = node(model, count)
+    got = discover(sim, cfg.allowed_profiles, mode, 10, 1.0)
+    assert got == simulated_devices("node-a", model, count, mode, cfg)
+    sim.shutdown()
+
+
+def test_a100_registers_the_seed_example() -> None:
+    sim = node(A100, 1)
+    (dev,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 10, 1.0)
+    two_g = next(p for p in dev.mig_profiles if p.name == "2g.10gb")
+    assert (two_g.memory_mb, two_g.core, two_g.slice_count) == (9984, 29, 2)
+    assert [(p.start, p.size) for p in two_g.placements] == [(0, 2), (2, 2), (4, 2)]
+    assert [p.name for p in dev.mig_profiles] == ["1g.5gb", "2g.10gb", "3g.20gb", "7g.40gb"]
+    sim.shutdown()
+
+
+def test_memory_scaling_applies_to_hami_core_only() -> None:
+    sim = node(A100, 1)
+    (core,) = discover(sim, DeviceConfig().allowed_profiles, "hami-core", 4, 1.5)
+    (mig,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 4, 1.5)
+    assert (core.devmem, core.count, core.mig_profiles) == (61440, 4, ())
+    assert mig.devmem == 40960
+    sim.shutdown()
+
+
+def test_gpu_with_mig_disabled_registers_no_profiles() -> None:
+    sim = node(A100, 1, mig_enabled=False)
+    (dev,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 10, 1.0)
+    assert dev.mig_profiles == ()
+    sim.shutdown()
+
+
+def test_health_comes_from_the_device() -> None:
+    sim = node(A100, 2)
+    sim.set_health(1, False)
+    devs = discover(sim, DeviceConfig().allowed_profiles, "mig", 10, 1.0)
+    assert [d.health for d in devs] == [True, False]
+    sim.shutdown()
+
+
+def test_only_allowlisted_profiles_nvml_resolves_are_registered() -> None:
+    sim = node(A100, 1)
+    allow = ("7g.40gb", "9g.99gb", "1g.10gb")
+    (dev,) = discover(sim, lambda _name: allow, "mig", 10, 1.0)
+    assert [p.name for p in dev.mig_profiles] == ["7g.40gb", "1g.10gb"]
+    sim.shutdown()
+
+
+class _V1Info(SimulatedNvml):
+    """Bindings that return v1 profile info, without names."""
+
+    def gpu_instance_profile_info(self, index: int, profile_index: int) -> GpuInstanceProfileInfo:
+        info = super().gpu_instance_profile_info(index, profile_index)
+        return dataclasses.replace(info, name=None)
+
+
+@pytest.mark.parametrize("model", MIG_MODELS)
+def test_names_fall_back_to_the_catalog_without_v2_info(model: str) -> None:
+    cfg = DeviceConfig()
+    sim = _V1Info([SimulatedGpuSpec(model)], node_name="node-a")
+    sim.init()
+    assert discover(sim, cfg.allowed_profiles, "mig", 10, 1.0) == simulated_devices(
+        "node-a", model, 1, "mig", cfg
+    )
+    sim.shutdown()
+
+
+# -- backend factory ----------------------------------------------------------------------
+
+
+def test_backend_from_env_builds_a_simulated_node(tmp_path: Path) -> None:
+    env = {
+        "TESSERA_NVML": "simulated",
+        "TESSERA_SIM_GPUS": "A100-PCIE-40GB, H200",
+        "TESSERA_SIM_STATE": str(tmp_path / "s.json"),
+    }
+    backend = backend_from_env(env, node_name="node-a")
+    assert isinstance(backend, SimulatedNvml)
+    backend.init()
+    assert [backend.device(i).name for i in range(2)] == [A100, "NVIDIA H200"]
+    backend.create_gpu_instance_with_placement(
+        0, 0, backend.gpu_instance_possible_placements(0, 0)[0]
+    )
+    assert (tmp_path / "s.json").exists()
+    backend.shutdown()
+
+
+def test_backend_from_env_defaults_to_real() -> None:
+    assert isinstance(backend_from_env({}), PynvmlBackend)
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {"TESSERA_NVML": "fake"},
+            "TESSERA_NVML: unknown NVML backend 'fake'; valid: real, simulated",
+        ),
+        ({"TESSERA_NVML": "simulated"}, "TESSERA_SIM_GPUS: set it to a comma-separated list"),
+        ({"TESSERA_NVML": "simulated", "TESSERA_SIM_GPUS": "Z9000"}, "unknown GPU model 'Z9000'"),
+    ],
+)
+def test_bad_backend_settings_fail_clearly(env: dict[str, str], says: str) -> None:
+    with pytest.raises(InvalidConfigError, match=says):
+        backend_from_env(env)
+
+
+def test_make_backend_lists_valid_kinds() -> None:
+    assert BACKEND_KINDS == ("real", "simulated")
+    with pytest.raises(InvalidConfigError, match="valid: real, simulated"):
+        make_backend("mock")
+    with pytest.raises(InvalidConfigError, match="at least one GPU"):
+        make_backend("simulated")
