@@ -8,8 +8,10 @@ change of the state it was computed from.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from enum import IntFlag
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +21,7 @@ from scheduler_plugins.node_register import Placement
 from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
 from scheduler_plugins.pods import ContainerRequest, PodAllocation, PodRequest
 from scheduler_plugins.policy import Policy
-from scheduler_plugins.state import MAX_SLICES, ClusterState, Layout
+from scheduler_plugins.state import MAX_SLICES, ClusterState, Geometry, Layout
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -144,10 +146,7 @@ class Decision:
         return min(str(self.layout.names[i]) for i in tied.tolist())
 
     def node_index(self, node: str) -> int:
-        try:
-            return self.layout.names.index(node)
-        except ValueError:
-            return -1
+        return self.layout.seg_index.get(node, -1)
 
     def plan_for(self, node: str) -> PodPlan | None:
         self._check_fresh()
@@ -236,24 +235,50 @@ class _Usage:
             self._copied = True
         return self
 
+    def scratch(self) -> _Usage:
+        """A private writable copy, for tentative devices that must not reach the caller's."""
+        u = copy.copy(self)
+        u._copied = False
+        return u.writable()
+
+
+def _per_gpu(values: npt.NDArray[Any], layout: Layout, fill: float) -> npt.NDArray[Any]:
+    """``values`` of each segment's GPUs as a [GPU, segment] table; ``fill`` where none."""
+    table = values[layout.gpu_rows]
+    if layout.gpu_rows_ok is not None:
+        table = np.where(layout.gpu_rows_ok, table, fill)
+    return table
+
+
+def _bits(mask: B, reason: Reason) -> I64:
+    """``reason`` where ``mask``, else 0. A multiply: np.where is ~8x slower on mixed masks."""
+    return mask * np.int64(reason)
+
+
+_OK_OFFSET = np.array([-np.inf, 0.0])  # indexed by a bool: -inf where not ok
+_OK_OFFSET.setflags(write=False)
+
 
 def _seg_max_first(values: F64, ok: B, layout: Layout) -> tuple[I64, B]:
-    """Per segment: the first row with the maximum value among ``ok`` rows."""
-    n = layout.n_rows
-    v = np.where(ok, values, -np.inf)
-    seg_max = np.maximum.reduceat(v, layout.starts) if n else np.zeros(0)
-    seg = layout.seg_of_row
-    is_best = ok & (seg >= 0) & (v >= seg_max[np.maximum(seg, 0)] - 1e-9)
-    cand = np.where(is_best, np.arange(n), n)
-    first = np.minimum.reduceat(cand, layout.starts) if n else np.zeros(0, np.int64)
-    found = first < n
-    return np.where(found, first, -1).astype(np.int64), found
+    """Per segment: the first row with the maximum value among ``ok`` rows (``values`` finite)."""
+    v = _per_gpu(values + np.take(_OK_OFFSET, ok.view(np.uint8)), layout, -np.inf)
+    seg_max = v.max(axis=0)
+    found = seg_max > -np.inf  # ok rows have finite values
+    # argmax of a bool column is its first True: rows of a segment ascend with the GPU index.
+    first = (v >= seg_max - 1e-9).argmax(axis=0)
+    best = layout.gpu_rows[first, np.arange(first.size)]
+    return np.where(found, best, -1), found
 
 
 def decide(state: ClusterState, request: PodRequest) -> Decision:
     layout = state.layout()
     n = layout.n_rows
     S = len(layout.names)
+    if S == 0:  # no node registers a GPU
+        empty = np.zeros(0)
+        return Decision(
+            request, layout, np.zeros(0, np.bool_), empty, empty, np.zeros(0, np.int64), [], state
+        )
     g = state.gpus
     live = g.node[:n] >= 0
     reasons_rows = np.zeros(n, np.int64)
@@ -261,23 +286,23 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
     # Static per-pod masks.
     base = live.copy()
     unhealthy = ~g.healthy[:n] | (g.conflict[:n] > 0)
-    reasons_rows |= np.where(~g.healthy[:n], int(Reason.UNHEALTHY), 0)
-    reasons_rows |= np.where(g.healthy[:n] & (g.conflict[:n] > 0), int(Reason.MIG_CONFLICT), 0)
+    reasons_rows |= _bits(~g.healthy[:n], Reason.UNHEALTHY)
+    reasons_rows |= _bits(g.healthy[:n] & (g.conflict[:n] > 0), Reason.MIG_CONFLICT)
     base &= ~unhealthy
     if request.use_types or request.nouse_types:
         ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
         type_ok = ok_types[g.type_id[:n]]
-        reasons_rows |= np.where(type_ok, 0, int(Reason.TYPE))
+        reasons_rows |= _bits(~type_ok, Reason.TYPE)
         base &= type_ok
     if request.use_uuids or request.nouse_uuids:
         uuid_ok = _uuid_mask(state, request, n)
-        reasons_rows |= np.where(uuid_ok, 0, int(Reason.UUID))
+        reasons_rows |= _bits(~uuid_ok, Reason.UUID)
         base &= uuid_ok
     is_mig = g.is_mig[:n]
     allow_core = request.mode in (None, "hami-core")
     allow_mig = request.mode in (None, "mig")
     mode_bad = (is_mig & ~np.bool_(allow_mig)) | (~is_mig & ~np.bool_(allow_core))
-    reasons_rows |= np.where(mode_bad, int(Reason.MODE), 0)
+    reasons_rows |= _bits(mode_bad, Reason.MODE)
 
     usage = _Usage(state, n)
     feasible = np.ones(S, np.bool_)
@@ -327,15 +352,14 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
         if remaining > 0:
             _commit(state, usage, c, rows, rank, start, ok_c)
 
-    seg_reasons = (
-        np.bitwise_or.reduceat(reasons_rows, layout.starts) if n else np.zeros(0, np.int64)
-    )
+    # Only the node's own rows: dead ones (left by a node that re-registered) don't count.
+    seg_reasons = np.bitwise_or.reduce(_per_gpu(reasons_rows, layout, 0), axis=0)
     node_reasons = np.where(feasible, 0, seg_reasons | node_reasons)
-    too_few = _too_few_gpus(layout, live, request)
+    too_few = _too_few_gpus(layout, request)
     node_reasons |= np.where(too_few & ~feasible, int(Reason.TOO_FEW_GPUS), 0)
     if not request.containers:
         feasible[:] = True
-    score = _node_scores(state, layout, live)
+    score = _node_scores(state, layout)
     return Decision(
         request=request,
         layout=layout,
@@ -381,7 +405,7 @@ def _gpu_score(
             + (req_cores + used.cores) / g_cores
             + (req_mem + used.mem) / g_mem
         ) * 10
-    return np.nan_to_num(s)
+    return s if np.isfinite(s).all() else np.nan_to_num(s)  # inf/nan: zero capacity
 
 
 def _hami_core(
@@ -402,12 +426,12 @@ def _hami_core(
     cores_ok = (cores - usage.cores >= c.cores) & (usage.cores < cores)
     excl_ok = (c.cores < cores) | (usage.slots == 0)
     bits = (
-        np.where(slots_ok, 0, int(Reason.SLOTS))
-        | np.where(mem_ok, 0, int(Reason.MEMORY))
-        | np.where(cores_ok, 0, int(Reason.CORES))
-        | np.where(excl_ok, 0, int(Reason.EXCLUSIVE))
+        _bits(~slots_ok, Reason.SLOTS)
+        | _bits(~mem_ok, Reason.MEMORY)
+        | _bits(~cores_ok, Reason.CORES)
+        | _bits(~excl_ok, Reason.EXCLUSIVE)
     )
-    reasons_rows |= np.where(ok_base, bits, 0)
+    reasons_rows |= bits * ok_base
     fit = ok_base & slots_ok & mem_ok & cores_ok & excl_ok
     desir = _gpu_score(slots, mem, cores, usage, req_mem, float(c.cores)) * policy.sign
     S = len(layout.names)
@@ -425,7 +449,7 @@ def _hami_core(
         scores[found, k] = desir[picked] * policy.sign
         avail[picked] = False
     if c.count > 1 and n:
-        fit_count = np.add.reduceat(fit.astype(np.int64), layout.starts)
+        fit_count = _per_gpu(fit, layout, False).sum(axis=0)
         partial = (fit_count > 0) & (fit_count < c.count)
         _mark_segments(reasons_rows, layout, partial, Reason.TOO_FEW_FITTING)
     return found_all, total, rows, np.full_like(rows, -1), np.full_like(rows, -1), scores
@@ -457,23 +481,37 @@ def _mig(
     total = np.zeros(S)
     found_all = np.ones(S, np.bool_)
     no_geom = ok_base & (g.geom[:n] < 0)
-    reasons_rows |= np.where(no_geom, int(Reason.MIG_NO_PROFILE), 0)
+    reasons_rows |= _bits(no_geom, Reason.MIG_NO_PROFILE)
     if multi:
-        usage = usage.writable()
+        # The container's earlier devices count for its later ones only: ``_commit`` counts
+        # the chosen path's devices for the next container, and another path may be chosen.
+        usage = usage.scratch()
+    # Per geometry, what doesn't change from one device to the next: the candidate rows and
+    # the smallest profile rank the request accepts (one for all rows with an absolute size).
+    groups: list[tuple[Geometry, I64, B | np.bool_, I64 | int]] = []
+    for gid, grow in layout.geom_rows:
+        r = grow[ok_base[grow]]
+        if r.size == 0:
+            continue
+        geom = state.geometries[gid]
+        if c.mem_mib:
+            fits1 = (geom.memory >= c.mem_mib) & (geom.cores >= c.cores)
+            groups.append((geom, r, fits1.any(), int(fits1.argmax()) if fits1.any() else 0))
+            continue
+        req_mem = g.mem[r] * c.mem_percent // 100
+        fits = (geom.memory[None, :] >= req_mem[:, None]) & (geom.cores[None, :] >= c.cores)
+        any_fit = fits.any(axis=1)
+        groups.append((geom, r, any_fit, np.where(any_fit, fits.argmax(axis=1), 0)))
     for k in range(c.count):
+        # Each MIG device takes one of the GPU's vGPU slots, as kubelet counts them.
+        slots_ok = usage.slots < g.slots[:n]
+        if k == 0:
+            reasons_rows |= _bits(ok_base & ~slots_ok, Reason.SLOTS)
         prof = np.full(n, -1, np.int64)
         start = np.full(n, -1, np.int64)
         pmem = np.zeros(n)
         pcore = np.zeros(n)
-        for gid, grow in layout.geom_rows:
-            r = grow[ok_base[grow]]
-            if r.size == 0:
-                continue
-            geom = state.geometries[gid]
-            req_mem = np.full(r.size, c.mem_mib) if c.mem_mib else g.mem[r] * c.mem_percent // 100
-            fits = (geom.memory[None, :] >= req_mem[:, None]) & (geom.cores[None, :] >= c.cores)
-            any_fit = fits.any(axis=1)
-            min_rank = np.where(any_fit, fits.argmax(axis=1), 0)
+        for geom, r, any_fit, min_rank in groups:
             masks = usage.mask[r] & geom.table.full_mask
             ch_p = geom.table.profile[masks, min_rank].astype(np.int64)
             ch_s = geom.table.start[masks, min_rank].astype(np.int64)
@@ -495,7 +533,7 @@ def _mig(
             start[r] = np.where(got, ch_s, -1)
             pmem[r] = np.where(got, geom.memory[np.maximum(ch_p, 0)], 0)
             pcore[r] = np.where(got, geom.cores[np.maximum(ch_p, 0)], 0)
-        fit = prof >= 0
+        fit = (prof >= 0) & slots_ok
         desir = _gpu_score(g.slots[:n], g.mem[:n], g.cores[:n], usage, pmem, pcore) * policy.sign
         best, found = _seg_max_first(desir, fit, layout)
         found_all &= found
@@ -513,11 +551,8 @@ def _mig(
 def _add_mig(
     state: ClusterState, usage: _Usage, rows: I64, prof: I64, start: I64, pmem: F64, pcore: F64
 ) -> None:
-    g = state.gpus
-    for r, p, s in zip(rows.tolist(), prof.tolist(), start.tolist(), strict=True):
-        geom = state.geometries[int(g.geom[r])]
-        size = next(pl.size for pl in geom.profiles[p].placements if pl.start == s)
-        usage.mask[r] |= ((1 << size) - 1) << s
+    bits, _, _ = _mig_devices(state, rows, prof, start)
+    usage.mask[rows] |= bits  # rows are distinct: one per node
     usage.slots[rows] += 1
     usage.mem[rows] += pmem
     usage.cores[rows] += pcore
@@ -529,49 +564,60 @@ def _commit(
     """Count a container's planned devices before planning the next container."""
     u = usage.writable()
     g = state.gpus
-    for s in np.flatnonzero(ok).tolist():
-        for k in range(c.count):
-            r = int(rows[s, k])
-            p = int(rank[s, k])
-            if p >= 0:
-                geom = state.geometries[int(g.geom[r])]
-                prof = geom.profiles[p]
-                size = next(pl.size for pl in prof.placements if pl.start == int(start[s, k]))
-                u.mask[r] |= ((1 << size) - 1) << int(start[s, k])
-                u.slots[r] += 1
-                u.mem[r] += prof.memory_mb
-                u.cores[r] += prof.core
-            else:
-                u.slots[r] += 1
-                u.mem[r] += c.mem_for(int(g.mem[r]))
-                u.cores[r] += c.cores
+    segs = np.flatnonzero(ok)
+    # Device k of every node at once: its rows are distinct (one per node), so fancy-index
+    # updates don't collide; devices of one node are counted in order k = 0, 1, ...
+    for k in range(c.count):
+        r, p = rows[segs, k], rank[segs, k]
+        mig = p >= 0
+        rm = r[mig]
+        if rm.size:
+            bits, mem, cores = _mig_devices(state, rm, p[mig], start[segs, k][mig])
+            u.mask[rm] |= bits
+            u.slots[rm] += 1
+            u.mem[rm] += mem
+            u.cores[rm] += cores
+        rc = r[~mig]
+        if rc.size:
+            u.slots[rc] += 1
+            u.mem[rc] += c.mem_mib if c.mem_mib else g.mem[rc] * c.mem_percent // 100
+            u.cores[rc] += c.cores
 
 
-def _too_few_gpus(layout: Layout, live: B, request: PodRequest) -> B:
+def _mig_devices(state: ClusterState, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
+    """Occupancy bits, memory and cores of MIG devices (profile rank ``prof`` at ``start``)."""
+    gids = state.gpus.geom[rows]
+    size = np.zeros(rows.size, np.int64)
+    mem = np.zeros(rows.size)
+    cores = np.zeros(rows.size)
+    for gid in np.unique(gids).tolist():
+        sel = gids == gid
+        geom = state.geometries[gid]
+        size[sel] = geom.sizes[prof[sel], start[sel]]
+        mem[sel] = geom.memory[prof[sel]]
+        cores[sel] = geom.cores[prof[sel]]
+    return ((np.int64(1) << size) - 1) << start, mem, cores
+
+
+def _too_few_gpus(layout: Layout, request: PodRequest) -> B:
     need = max((c.count for c in request.containers), default=0)
     if not layout.n_rows or need <= 1:
         return np.zeros(len(layout.names), np.bool_)
-    counts = np.add.reduceat(live.astype(np.int64), layout.starts)
-    return np.asarray(counts < need, np.bool_)
+    return np.asarray(layout.gpu_count < need, np.bool_)
 
 
-def _node_scores(state: ClusterState, layout: Layout, live: B) -> F64:
+def _node_scores(state: ClusterState, layout: Layout) -> F64:
     n = layout.n_rows
     if not n:
         return np.zeros(0)
-    g = state.gpus
-
-    def seg_sum(a: F64) -> F64:
-        return np.add.reduceat(np.where(live, a[:n], 0.0), layout.starts)
-
+    idx = layout.node_idx  # per-node sums over live GPUs, kept by the state
     with np.errstate(divide="ignore", invalid="ignore"):
         score = (
-            seg_sum(g.used_slots) / seg_sum(g.slots)
-            + seg_sum(g.used_cores) / seg_sum(g.cores)
-            + seg_sum(g.used_mem) / seg_sum(g.mem)
+            state.node_used_slots[idx] / state.node_slots[idx]
+            + state.node_used_cores[idx] / state.node_cores[idx]
+            + state.node_used_mem[idx] / state.node_mem[idx]
         ) * 10
         if state.config.node_score_cpu_memory:
-            idx = layout.node_idx
             score += (
                 state.node_cpu_req[idx] / state.node_cpu_alloc[idx]
                 + state.node_mem_req[idx] / state.node_mem_alloc[idx]

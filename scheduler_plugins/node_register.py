@@ -195,7 +195,9 @@ def _decode_profiles(raw: object, where: str, bad: Any) -> tuple[MigProfile, ...
             if not isinstance(pl, dict):
                 raise bad(f"{pw}.placements[{k}] must be an object")
             pf = _Fields(cast("dict[str, Any]", pl), f"{pw}.placements[{k}]", bad)
-            placement = Placement(pf.integer("start", minimum=0), pf.integer("size", minimum=1, required=True))
+            placement = Placement(
+                pf.integer("start", minimum=0), pf.integer("size", minimum=1, required=True)
+            )
             if placement.end > 16:
                 raise bad(f"{pw}.placements[{k}] ends at slice {placement.end}, beyond 16")
             placements.append(placement)

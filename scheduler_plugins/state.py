@@ -33,6 +33,7 @@ class Geometry:
     memory: npt.NDArray[np.int64]  # per rank
     cores: npt.NDArray[np.int64]  # per rank
     slices: int
+    sizes: npt.NDArray[np.int64]  # [rank, start] -> placement size, 0 where none starts
 
     def rank_of(self, name: str) -> int:
         for i, p in enumerate(self.profiles):
@@ -62,6 +63,23 @@ class _Record:
 
 def _zeros(n: int, dtype: type[Any] = np.float64) -> npt.NDArray[Any]:
     return np.zeros(n, dtype=dtype)
+
+
+def _placement_sizes(profiles: tuple[MigProfile, ...]) -> npt.NDArray[np.int64]:
+    sizes = np.zeros((len(profiles), MAX_SLICES), np.int64)
+    for rank, p in enumerate(profiles):
+        for pl in p.placements:
+            sizes[rank, pl.start] = pl.size
+    return sizes
+
+
+# Per-node columns (by node idx): allocatable and requested CPU/memory, and the sums over the
+# node's GPUs of capacity and usage that the node score needs (kept with every pod change, so a
+# decision reads them instead of summing 40k GPU rows).
+_NODE_COLUMNS = (
+    "node_cpu_alloc", "node_mem_alloc", "node_cpu_req", "node_mem_req",
+    "node_slots", "node_mem", "node_cores", "node_used_slots", "node_used_mem", "node_used_cores",
+)
 
 
 @dataclass
@@ -130,11 +148,17 @@ class ClusterState:
         self._by_node: dict[str, set[str]] = {}
         self.layout_version = 0  # bumped whenever rows or node indices change
         self._layout: Layout | None = None
-        # Per-node columns (by node idx).
-        self.node_cpu_alloc = _zeros(0)
-        self.node_mem_alloc = _zeros(0)
-        self.node_cpu_req = _zeros(0)
-        self.node_mem_req = _zeros(0)
+        # Per-node columns (by node idx), see _NODE_COLUMNS.
+        self.node_cpu_alloc: npt.NDArray[np.float64] = _zeros(0)
+        self.node_mem_alloc: npt.NDArray[np.float64] = _zeros(0)
+        self.node_cpu_req: npt.NDArray[np.float64] = _zeros(0)
+        self.node_mem_req: npt.NDArray[np.float64] = _zeros(0)
+        self.node_slots: npt.NDArray[np.float64] = _zeros(0)
+        self.node_mem: npt.NDArray[np.float64] = _zeros(0)
+        self.node_cores: npt.NDArray[np.float64] = _zeros(0)
+        self.node_used_slots: npt.NDArray[np.float64] = _zeros(0)
+        self.node_used_mem: npt.NDArray[np.float64] = _zeros(0)
+        self.node_used_cores: npt.NDArray[np.float64] = _zeros(0)
 
     # ----- nodes -------------------------------------------------------------------------
 
@@ -180,6 +204,10 @@ class ClusterState:
         self.nodes[name] = entry
         self.node_cpu_alloc[idx] = cpu_milli
         self.node_mem_alloc[idx] = memory_bytes
+        self.node_slots[idx] = sum(d.count for d in devices)
+        self.node_mem[idx] = sum(d.devmem for d in devices)
+        self.node_cores[idx] = sum(d.devcore for d in devices)
+        self.node_used_slots[idx] = self.node_used_mem[idx] = self.node_used_cores[idx] = 0
         self.layout_version += 1
         self._apply_node_pods(name)
 
@@ -191,8 +219,8 @@ class ClusterState:
         self._release_rows(entry)
         self.node_names[entry.idx] = ""
         self._free_idx.append(entry.idx)
-        self.node_cpu_alloc[entry.idx] = 0
-        self.node_mem_alloc[entry.idx] = 0
+        for attr in _NODE_COLUMNS:
+            getattr(self, attr)[entry.idx] = 0
         self.layout_version += 1
 
     def _alloc_node_idx(self, name: str) -> int:
@@ -204,7 +232,7 @@ class ClusterState:
         idx = len(self.node_names) - 1
         if idx >= len(self.node_cpu_alloc):
             n = max(64, len(self.node_cpu_alloc))
-            for attr in ("node_cpu_alloc", "node_mem_alloc", "node_cpu_req", "node_mem_req"):
+            for attr in _NODE_COLUMNS:
                 setattr(self, attr, np.concatenate([getattr(self, attr), _zeros(n)]))
         return idx
 
@@ -281,6 +309,7 @@ class ClusterState:
                     memory=np.array([p.memory_mb for p in table.profiles], np.int64),
                     cores=np.array([p.core for p in table.profiles], np.int64),
                     slices=table.total_slices,
+                    sizes=_placement_sizes(table.profiles),
                 )
             )
             self._geom_ids[key] = gid
@@ -359,8 +388,10 @@ class ClusterState:
     def _apply(self, entry: NodeEntry, rec: _Record, sign: int) -> None:
         g = self.gpus
         alloc = rec.alloc
-        self.node_cpu_req[entry.idx] += sign * alloc.cpu_milli
-        self.node_mem_req[entry.idx] += sign * alloc.memory_bytes
+        idx = entry.idx
+        self.node_cpu_req[idx] += sign * alloc.cpu_milli
+        self.node_mem_req[idx] += sign * alloc.memory_bytes
+        slots = mem_sum = cores_sum = 0
         for d in alloc.devices:
             r = entry.rows.get(d.uuid)
             if r is None:
@@ -368,6 +399,7 @@ class ClusterState:
             g.used_slots[r] += sign
             g.used_mem[r] += sign * d.mem
             g.used_cores[r] += sign * d.cores
+            slots, mem_sum, cores_sum = slots + 1, mem_sum + d.mem, cores_sum + d.cores
         for m in alloc.mig:
             r = entry.rows.get(m.gpu_uuid)
             if r is None:
@@ -376,11 +408,15 @@ class ClusterState:
             g.used_slots[r] += sign
             g.used_mem[r] += sign * mem
             g.used_cores[r] += sign * cores
+            slots, mem_sum, cores_sum = slots + 1, mem_sum + mem, cores_sum + cores
             end = min(m.placement.end, MAX_SLICES)
             g.slice_use[r, m.placement.start : end] += sign
             use = g.slice_use[r]
             g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), 1 << np.arange(MAX_SLICES)))
             g.conflict[r] = int(np.count_nonzero(use > 1))
+        self.node_used_slots[idx] += sign * slots
+        self.node_used_mem[idx] += sign * mem_sum
+        self.node_used_cores[idx] += sign * cores_sum
         rec.applied = sign > 0
 
     def _mig_usage(self, row: int, profile: str, placement: Placement) -> tuple[int, int]:
@@ -429,15 +465,22 @@ class ClusterState:
                 float(self.node_cpu_req[e.idx]),
                 float(self.node_mem_req[e.idx]),
             )
+            out[f"{name}/gpu-sums"] = tuple(
+                float(getattr(self, col)[e.idx])
+                for col in ("node_used_slots", "node_used_mem", "node_used_cores",
+                            "node_slots", "node_mem", "node_cores")
+            )
         return out
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Nodes with GPUs as segments of consecutive rows, in row order, for ``reduceat``.
+    """Nodes with GPUs as segments of consecutive rows, in row order.
 
     Segment i covers rows ``[starts[i], starts[i+1])``; rows in it that no node owns
-    (``node == -1``) must be masked out by callers.
+    (``node == -1``) must be masked out by callers. ``gpu_rows`` lists each segment's live rows
+    as a column of a [GPUs per node, segments] table, for per-node reductions along axis 0
+    (much faster than ``reduceat`` over thousands of short segments).
     """
 
     version: int
@@ -448,6 +491,10 @@ class Layout:
     seg_of_row: npt.NDArray[np.int64]  # -1 for dead rows
     gpu_less: tuple[str, ...]  # nodes that register no GPU
     geom_rows: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry id, live MIG rows)
+    seg_index: Mapping[str, int]  # node name -> segment
+    gpu_rows: npt.NDArray[np.int64]  # [W, S] row of the segment's j-th GPU; 0 where none
+    gpu_rows_ok: npt.NDArray[np.bool_] | None  # [W, S] where gpu_rows is a GPU; None: all are
+    gpu_count: npt.NDArray[np.int64]  # [S] GPUs per segment
 
     @staticmethod
     def of(state: ClusterState) -> Layout:
@@ -464,6 +511,11 @@ class Layout:
             (int(gid), np.flatnonzero(mig_live & (geom == gid)))
             for gid in np.unique(geom[mig_live])
         )
+        counts = np.array([len(e.devices) for e in entries], np.int64)
+        width = int(counts.max()) if len(entries) else 0
+        j = np.arange(width, dtype=np.int64)[:, None]
+        ok = j < counts[None, :]
+        gpu_rows = np.where(ok, np.array([e.start for e in entries], np.int64)[None, :] + j, 0)
         return Layout(
             version=state.layout_version,
             n_rows=n_rows,
@@ -473,6 +525,10 @@ class Layout:
             seg_of_row=seg_of_row,
             gpu_less=tuple(sorted(e.name for e in state.nodes.values() if not e.devices)),
             geom_rows=geom_rows,
+            seg_index={e.name: i for i, e in enumerate(entries)},
+            gpu_rows=gpu_rows,
+            gpu_rows_ok=None if ok.all() else ok,
+            gpu_count=counts,
         )
 
 

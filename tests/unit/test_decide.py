@@ -246,3 +246,12 @@ def test_cpu_memory_terms_join_node_score_when_configured() -> None:
     state.upsert_pod(PodAllocation("a", "n", (), (), 2000, 500), "a")
     d = decide(state, parse_request(make_pod("p").gpu(1, mem=10).build(), cfg))
     assert float(d.score[0]) == pytest.approx(10.0)
+
+
+def test_cluster_without_gpus_explains_instead_of_failing() -> None:
+    state = state_with(a=(gpu("GPU-1"),))
+    state.remove_node("a")
+    state.upsert_node("b", ())
+    d = decide(state, parse_request(make_pod("p").gpu(1).build(), CFG))
+    assert d.best_node() is None
+    assert explain(d, state) == "0/1 nodes are available: 1 node [no GPUs]: no GPU registered (b)"
