@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code (committed); regenerate with hack/gen-protos.sh."""
