@@ -1,0 +1,741 @@
+"""The MIG instance manager: realizes, adopts and reclaims the GI/CI instances of reservations.
+
+It owns the node's map of *managed* MIG instances and is the only code that mutates MIG
+hardware. It is pure apart from the injected ``NvmlBackend`` (which must be initialized):
+no Kubernetes client and no clock; callers read the API and pass what they read.
+
+Design
+------
+- Key of a managed instance: ``InstanceKey(gpu_index, profile, start, size)`` — the physical
+  GPU (resolved from the reservation's ``gpuUUID``), the profile name and the exact placement.
+  ``ManagedInstance(key, owner, identity, adopted)`` records who owns it (``Owner`` = pod key,
+  container index, device index), its runtime identity (MIG UUID, GI id, CI id) and whether it
+  was taken over rather than created by this manager.
+- ``Reservation`` = owning pod key + its ``MigAllocation``. ``DesiredSet`` = the reservations of
+  the pods on this node that hold valid reservations, are not deleting and not
+  Succeeded/Failed (``node_agent.mig_records`` builds it from pod JSON). ``None`` in its place
+  means the allocation state could not be read (API failure, malformed record, partial
+  runtime identity): every destructive step is then skipped and the reason logged, because
+  destroying on a guess could kill a running workload.
+- ``ensure`` (one kubelet Allocate): reconcile first; verify every reserved profile/placement
+  is still legal per NVML (before any hardware mutation); take the GPUs' mutation locks; per
+  reservation return the instance it already owns (idempotent), take over an unmanaged
+  instance at exactly its key, or create the GI at exactly that placement plus one full-size
+  CI. Something else at or across the placement fails the call: the reservation is never
+  moved to another placement (that would break the scheduler's topology accounting). On a
+  failure, only what this attempt created is destroyed (CI, then GI); adopted and earlier
+  instances stay.
+- ``reconcile``: destroy (CI, then GI) managed instances whose key is not desired by their
+  owner; adopt unmanaged instances that match a desired reservation's complete runtime
+  identity. ``InUse`` (processes still running) is reported and retried on the next pass.
+- ``adopt_on_start`` (restart adoption): GPUs busy by reservations, NVML processes or the
+  caller's ``busy_gpus`` are kept; idle MIG GPUs are cleaned to a MIG-ready state (all their
+  CIs and GIs destroyed); each reservation with a complete runtime identity is checked
+  against NVML and adopted, a mismatching one is reported (neither adopted nor destroyed).
+
+Locking: one ``threading.Lock`` per GPU guards every hardware mutation on that GPU together
+with the reads that decide it (never a node-wide lock); a short state lock guards the map.
+GPU locks are taken in ascending index order and before the state lock, so two calls cannot
+deadlock. A managed instance is only ever destroyed after re-checking in NVML that the GI at
+its id still has its placement and its CI still has its MIG UUID; an instance that vanished
+or was replaced is forgotten, not destroyed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence, Set
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Final
+
+import structlog
+
+from node_agent.nvml.backend import (
+    COMPUTE_INSTANCE_PROFILE_SLICES,
+    GpuInstance,
+    GpuInstanceProfileInfo,
+    NvmlBackend,
+    describe_placement,
+    full_compute_instance_profile,
+)
+from node_agent.nvml.discovery import resolve_profiles
+from node_agent.nvml.errors import InUse, NotFound, NotSupported, NvmlError
+from scheduler_plugins.errors import TesseraError
+from scheduler_plugins.node_register import Placement
+from scheduler_plugins.pod_annotations import MigAllocation, RuntimeIdentity
+
+log = structlog.get_logger(__name__)
+
+UNREADABLE: Final = "the allocation state could not be read"
+
+
+@dataclass(frozen=True, order=True)
+class InstanceKey:
+    gpu_index: int
+    profile: str
+    start: int
+    size: int
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.start, self.size)
+
+    def __str__(self) -> str:
+        return f"GPU {self.gpu_index} {self.profile} at [{self.start},{self.start + self.size})"
+
+
+@dataclass(frozen=True, order=True)
+class Owner:
+    """One reserved MIG device: the pod and the (container, device) slot in it."""
+
+    pod: str
+    container_index: int
+    device_index: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    pod: str
+    allocation: MigAllocation
+
+    @property
+    def owner(self) -> Owner:
+        a = self.allocation
+        return Owner(self.pod, a.container_index, a.device_index)
+
+
+@dataclass(frozen=True)
+class DesiredSet:
+    """The reservations that may own instances on this node (read from the API)."""
+
+    reservations: tuple[Reservation, ...] = ()
+
+    @classmethod
+    def of(cls, reservations: Iterable[Reservation]) -> DesiredSet:
+        return cls(tuple(reservations))
+
+    def with_pod(self, pod: str, allocations: Iterable[MigAllocation]) -> DesiredSet:
+        """This set plus ``pod``'s ``allocations`` (a pod being allocated is live)."""
+        added = [Reservation(pod, a) for a in allocations]
+        owners = {r.owner for r in added}
+        return DesiredSet(
+            tuple(r for r in self.reservations if r.owner not in owners) + tuple(added)
+        )
+
+
+@dataclass(frozen=True)
+class ManagedInstance:
+    key: InstanceKey
+    owner: Owner
+    identity: RuntimeIdentity
+    adopted: bool
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something a pass could not do; it is retried or left for an operator."""
+
+    detail: str
+    key: InstanceKey | None = None
+    owner: Owner | None = None
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    skipped: bool = False
+    reason: str = ""
+    destroyed: tuple[InstanceKey, ...] = ()
+    adopted: tuple[InstanceKey, ...] = ()
+    in_use: tuple[InstanceKey, ...] = ()  # destroy refused (processes); retried next pass
+    failed: tuple[Problem, ...] = ()  # other NVML failures; retried next pass
+    vanished: tuple[InstanceKey, ...] = ()  # gone or replaced in NVML: forgotten, not destroyed
+    mismatched: tuple[Problem, ...] = ()  # recorded identity does not match NVML
+
+
+@dataclass(frozen=True)
+class AdoptReport:
+    skipped: bool = False
+    reason: str = ""
+    kept_gpus: tuple[int, ...] = ()
+    cleaned_gpus: tuple[int, ...] = ()
+    adopted: tuple[InstanceKey, ...] = ()
+    mismatched: tuple[Problem, ...] = ()
+    pending: tuple[Owner, ...] = ()  # reservations without a runtime identity yet
+    failed: tuple[Problem, ...] = ()
+
+
+class MigAllocationError(TesseraError):
+    """A reservation could not be realized; nothing this attempt created is left behind."""
+
+    def __init__(
+        self,
+        pod: str,
+        gpu: str,
+        profile: str,
+        placement: Placement,
+        detail: str,
+        *,
+        nvml_error: NvmlError | None = None,
+        rollback_failures: tuple[str, ...] = (),
+    ) -> None:
+        self.pod = pod
+        self.gpu = gpu
+        self.profile = profile
+        self.placement = placement
+        self.detail = detail
+        self.nvml_error = nvml_error
+        self.rollback_failures = rollback_failures
+        msg = (
+            f"pod {pod}: cannot realize MIG {profile} at {describe_placement(placement)}"
+            f" on GPU {gpu}: {detail}"
+        )
+        if nvml_error is not None:
+            msg += f" (NVML: {nvml_error})"
+        if rollback_failures:
+            msg += "; rollback incomplete, left for reconcile: " + "; ".join(rollback_failures)
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    reservation: Reservation
+    key: InstanceKey
+    info: GpuInstanceProfileInfo
+
+
+class _StepFailed(Exception):
+    def __init__(self, plan: _Plan, detail: str, nvml_error: NvmlError | None = None) -> None:
+        super().__init__(detail)
+        self.plan = plan
+        self.detail = detail
+        self.nvml_error = nvml_error
+
+
+@dataclass
+class _Step:
+    """What one attempt did for one reservation, so a rollback undoes exactly that."""
+
+    key: InstanceKey
+    gi_id: int
+    created_gi: bool
+    ci_id: int | None = None  # set only when this attempt created the CI
+    recorded: bool = False  # this attempt put the key in the map
+
+
+@dataclass
+class _Tally:
+    destroyed: list[InstanceKey] = field(default_factory=list)
+    adopted: list[InstanceKey] = field(default_factory=list)
+    in_use: list[InstanceKey] = field(default_factory=list)
+    failed: list[Problem] = field(default_factory=list)
+    vanished: list[InstanceKey] = field(default_factory=list)
+    mismatched: list[Problem] = field(default_factory=list)
+    pending: list[Owner] = field(default_factory=list)
+
+
+class MigManager:
+    """Managed MIG instances of one node; thread-safe."""
+
+    def __init__(self, backend: NvmlBackend, *, node_name: str = "") -> None:
+        self._backend = backend
+        self._node = node_name
+        self._state_lock = threading.Lock()
+        self._gpu_locks: dict[int, threading.Lock] = {}
+        self._instances: dict[InstanceKey, ManagedInstance] = {}
+        self._gpu_index_by_uuid: dict[str, int] | None = None
+
+    def instances(self) -> dict[InstanceKey, ManagedInstance]:
+        """A snapshot of the managed instances."""
+        with self._state_lock:
+            return dict(self._instances)
+
+    # -- Allocate ---------------------------------------------------------------------
+
+    def ensure(
+        self,
+        pod: str,
+        allocations: Sequence[MigAllocation],
+        desired: DesiredSet | None,
+        *,
+        desired_reason: str = UNREADABLE,
+    ) -> list[RuntimeIdentity]:
+        """Realize ``pod``'s ``allocations``; their identities, in the same order.
+
+        Raises ``MigAllocationError`` (after rolling back this attempt's creations).
+        """
+        if not allocations:
+            return []
+        self.reconcile(
+            None if desired is None else desired.with_pod(pod, allocations), reason=desired_reason
+        )
+        plans = [self._plan(Reservation(pod, a)) for a in allocations]
+        steps: list[_Step] = []
+        with self._gpu_locks_held({p.key.gpu_index for p in plans}):
+            try:
+                identities = [self._realize(plan, steps) for plan in plans]
+            except _StepFailed as failure:
+                leftovers = self._roll_back(steps)
+                a = failure.plan.reservation.allocation
+                log.warning(
+                    "mig.allocate_failed",
+                    pod=pod,
+                    node=self._node,
+                    gpu=a.gpu_uuid,
+                    profile=a.profile,
+                    start=a.placement.start,
+                    size=a.placement.size,
+                    detail=failure.detail,
+                    rolled_back=len(steps) - len(leftovers),
+                )
+                raise MigAllocationError(
+                    pod,
+                    a.gpu_uuid,
+                    a.profile,
+                    a.placement,
+                    failure.detail,
+                    nvml_error=failure.nvml_error,
+                    rollback_failures=tuple(leftovers),
+                ) from failure.nvml_error
+        for plan, identity in zip(plans, identities, strict=True):
+            log.info(
+                "mig.allocated",
+                pod=pod,
+                node=self._node,
+                gpu=plan.reservation.allocation.gpu_uuid,
+                instance=str(plan.key),
+                mig_uuid=identity.mig_uuid,
+            )
+        return identities
+
+    def _plan(self, r: Reservation) -> _Plan:
+        """Check the reservation against NVML without mutating anything."""
+        a = r.allocation
+
+        def fail(detail: str, e: NvmlError | None = None) -> MigAllocationError:
+            return MigAllocationError(
+                r.pod, a.gpu_uuid, a.profile, a.placement, detail, nvml_error=e
+            )
+
+        try:
+            index = self._gpu_indexes().get(a.gpu_uuid)
+            if index is None:
+                raise fail(
+                    "no GPU with that UUID on this node; the reservation is for another node"
+                )
+            info = self._profiles(index).get(a.profile)
+            if info is None:
+                raise fail(
+                    "NVML does not resolve the profile on this GPU (MIG disabled or profile"
+                    " unsupported); the pod must be rescheduled"
+                )
+            legal = self._backend.gpu_instance_possible_placements(index, info.id)
+        except NvmlError as e:
+            raise fail("NVML could not check the reservation", e) from e
+        if a.placement not in legal:
+            starts = ", ".join(f"{p.start}:{p.size}" for p in legal) or "none"
+            raise fail(f"the placement is not legal per NVML (legal: {starts}); reschedule the pod")
+        key = InstanceKey(index, a.profile, a.placement.start, a.placement.size)
+        return _Plan(r, key, info)
+
+    def _realize(self, plan: _Plan, steps: list[_Step]) -> RuntimeIdentity:
+        """The identity of the plan's instance (GPU lock held): existing, taken over or new."""
+        key, owner = plan.key, plan.reservation.owner
+        try:
+            with self._state_lock:
+                current = self._instances.get(key)
+            if current is not None:
+                if current.owner != owner:
+                    raise _StepFailed(
+                        plan,
+                        f"the placement is held by {current.owner.pod} (container"
+                        f" {current.owner.container_index}); it is reclaimed once that pod ends",
+                    )
+                if self._identity_problem(key, plan.info.id, current.identity) is None:
+                    return current.identity
+                self._forget(key)  # gone or replaced in NVML behind our back
+            gis = self._backend.gpu_instances(key.gpu_index)
+            exact = next(
+                (g for g in gis if g.placement == key.placement and g.profile_id == plan.info.id),
+                None,
+            )
+            blocking = [g for g in gis if g.placement.mask & key.placement.mask and g != exact]
+            if blocking:
+                g = blocking[0]
+                raise _StepFailed(
+                    plan,
+                    f"GPU instance {g.id} (profile id {g.profile_id} at"
+                    f" {describe_placement(g.placement)}) occupies the placement; the reservation"
+                    " is never moved to another placement",
+                )
+            if exact is not None:
+                return self._take_over(plan, exact, steps)
+            gi = self._backend.create_gpu_instance_with_placement(
+                key.gpu_index, plan.info.id, key.placement
+            )
+            step = _Step(key, gi.id, created_gi=True)
+            steps.append(step)
+            return self._finish(plan, step, adopted=False)
+        except NvmlError as e:
+            raise _StepFailed(plan, "an NVML call failed", e) from e
+
+    def _take_over(self, plan: _Plan, gi: GpuInstance, steps: list[_Step]) -> RuntimeIdentity:
+        """An unmanaged instance at exactly the plan's key.
+
+        With a recorded identity it must match it. Without one it is what an earlier attempt
+        created before the agent stopped and the identity reached the annotation (no other
+        reservation can hold this placement): its single full-size CI is taken, or created.
+        """
+        key, rt = plan.key, plan.reservation.allocation.runtime
+        if rt is not None:
+            problem = self._identity_problem(key, plan.info.id, rt)
+            if problem is not None:
+                raise _StepFailed(plan, f"an unmanaged instance holds the placement: {problem}")
+            self._record(ManagedInstance(key, plan.reservation.owner, rt, adopted=True))
+            return rt
+        cis = self._backend.compute_instances(key.gpu_index, gi.id)
+        step = _Step(key, gi.id, created_gi=False)
+        if not cis:
+            steps.append(step)
+            return self._finish(plan, step, adopted=True)
+        full = [
+            c
+            for c in cis
+            if COMPUTE_INSTANCE_PROFILE_SLICES.get(c.profile_id) == plan.info.slice_count
+        ]
+        if len(cis) != 1 or not full:
+            raise _StepFailed(
+                plan,
+                f"an unmanaged GPU instance {gi.id} holds the placement with {len(cis)} compute"
+                " instance(s) that are not one full-size instance",
+            )
+        uuid = self._backend.mig_device_uuid(key.gpu_index, gi.id, cis[0].id)
+        identity = RuntimeIdentity(uuid, gi.id, cis[0].id)
+        self._record(ManagedInstance(key, plan.reservation.owner, identity, adopted=True))
+        return identity
+
+    def _finish(self, plan: _Plan, step: _Step, *, adopted: bool) -> RuntimeIdentity:
+        """Create the full-size CI in ``step``'s GI and record the instance."""
+        key = plan.key
+        ci = self._backend.create_compute_instance(
+            key.gpu_index, step.gi_id, full_compute_instance_profile(plan.info.slice_count)
+        )
+        step.ci_id = ci.id
+        uuid = self._backend.mig_device_uuid(key.gpu_index, step.gi_id, ci.id)
+        identity = RuntimeIdentity(uuid, step.gi_id, ci.id)
+        self._record(ManagedInstance(key, plan.reservation.owner, identity, adopted=adopted))
+        step.recorded = True
+        return identity
+
+    def _roll_back(self, steps: list[_Step]) -> list[str]:
+        """Undo this attempt's creations, newest first; what could not be undone."""
+        leftovers: list[str] = []
+        for step in reversed(steps):
+            idx = step.key.gpu_index
+            try:
+                if step.ci_id is not None:
+                    self._backend.destroy_compute_instance(idx, step.gi_id, step.ci_id)
+                if step.created_gi:
+                    self._backend.destroy_gpu_instance(idx, step.gi_id)
+            except NvmlError as e:
+                # Still there and still the reservation's: the map keeps it, so a retried
+                # Allocate reuses it and reconcile reclaims it if the pod goes away.
+                leftovers.append(f"{step.key}: {e}")
+                continue
+            if step.recorded:
+                self._forget(step.key)
+        return leftovers
+
+    # -- reconcile --------------------------------------------------------------------
+
+    def reconcile(self, desired: DesiredSet | None, *, reason: str = UNREADABLE) -> ReconcileReport:
+        """Reclaim managed instances nobody desires; adopt desired unmanaged ones."""
+        if desired is None:
+            log.warning("mig.reconcile_skipped", node=self._node, reason=reason)
+            return ReconcileReport(skipped=True, reason=reason)
+        try:
+            indexes = self._gpu_indexes()
+        except NvmlError as e:
+            log.warning("mig.reconcile_skipped", node=self._node, reason=str(e))
+            return ReconcileReport(skipped=True, reason=f"cannot list GPUs: {e}")
+        wanted: dict[InstanceKey, set[Owner]] = {}
+        by_gpu: dict[int, list[tuple[InstanceKey, Reservation]]] = {}
+        for r in desired.reservations:
+            key = self._key_of(r, indexes)
+            if key is None:
+                continue
+            wanted.setdefault(key, set()).add(r.owner)
+            by_gpu.setdefault(key.gpu_index, []).append((key, r))
+        with self._state_lock:
+            gpus = sorted({k.gpu_index for k in self._instances} | set(by_gpu))
+        tally = _Tally()
+        for idx in gpus:
+            with self._gpu_locks_held({idx}):
+                for m in self._managed_on(idx):
+                    if m.owner not in wanted.get(m.key, set()):
+                        self._destroy_managed(m, tally)
+                self._adopt_recorded(idx, by_gpu.get(idx, []), tally)
+        return ReconcileReport(
+            destroyed=tuple(tally.destroyed),
+            adopted=tuple(tally.adopted),
+            in_use=tuple(tally.in_use),
+            failed=tuple(tally.failed),
+            vanished=tuple(tally.vanished),
+            mismatched=tuple(tally.mismatched),
+        )
+
+    def _destroy_managed(self, m: ManagedInstance, tally: _Tally) -> None:
+        """Destroy exactly ``m``'s CI and GI (GPU lock held), after re-checking they are ``m``'s."""
+        idx, gi_id, ci_id = (
+            m.key.gpu_index,
+            m.identity.gpu_instance_id,
+            m.identity.compute_instance_id,
+        )
+        try:
+            gi = next((g for g in self._backend.gpu_instances(idx) if g.id == gi_id), None)
+            if gi is None or gi.placement != m.key.placement:
+                self._forget(m.key)
+                tally.vanished.append(m.key)
+                return
+            if any(c.id == ci_id for c in self._backend.compute_instances(idx, gi_id)):
+                if self._backend.mig_device_uuid(idx, gi_id, ci_id) != m.identity.mig_uuid:
+                    self._forget(m.key)  # someone else's CI now: not ours to destroy
+                    tally.vanished.append(m.key)
+                    return
+                self._backend.destroy_compute_instance(idx, gi_id, ci_id)
+            self._backend.destroy_gpu_instance(idx, gi_id)
+        except InUse as e:
+            log.info(
+                "mig.reclaim_deferred",
+                pod=m.owner.pod,
+                node=self._node,
+                gpu=self._uuid_of(idx),
+                error=str(e),
+            )
+            tally.in_use.append(m.key)
+            return
+        except NvmlError as e:
+            log.warning(
+                "mig.reclaim_failed",
+                pod=m.owner.pod,
+                node=self._node,
+                gpu=self._uuid_of(idx),
+                error=str(e),
+            )
+            tally.failed.append(Problem(str(e), m.key, m.owner))
+            return
+        self._forget(m.key)
+        tally.destroyed.append(m.key)
+        log.info(
+            "mig.reclaimed",
+            pod=m.owner.pod,
+            node=self._node,
+            gpu=self._uuid_of(idx),
+            instance=str(m.key),
+        )
+
+    def _adopt_recorded(
+        self, idx: int, reservations: list[tuple[InstanceKey, Reservation]], tally: _Tally
+    ) -> None:
+        """Adopt unmanaged instances matching a complete recorded identity (GPU lock held)."""
+        profiles: dict[str, GpuInstanceProfileInfo] | None = None
+        for key, r in reservations:
+            rt = r.allocation.runtime
+            if rt is None:
+                tally.pending.append(r.owner)
+                continue
+            with self._state_lock:
+                if key in self._instances:
+                    continue
+            try:
+                if profiles is None:
+                    profiles = self._profiles(idx)
+                info = profiles.get(key.profile)
+                problem = (
+                    f"NVML does not resolve profile {key.profile}"
+                    if info is None
+                    else self._identity_problem(key, info.id, rt)
+                )
+            except NvmlError as e:
+                tally.failed.append(Problem(str(e), key, r.owner))
+                continue
+            if problem is not None:
+                log.warning(
+                    "mig.identity_mismatch",
+                    pod=r.pod,
+                    node=self._node,
+                    gpu=self._uuid_of(idx),
+                    detail=problem,
+                )
+                tally.mismatched.append(Problem(problem, key, r.owner))
+                continue
+            self._record(ManagedInstance(key, r.owner, rt, adopted=True))
+            tally.adopted.append(key)
+            log.info(
+                "mig.adopted", pod=r.pod, node=self._node, gpu=self._uuid_of(idx), instance=str(key)
+            )
+
+    # -- restart adoption -------------------------------------------------------------
+
+    def adopt_on_start(
+        self,
+        desired: DesiredSet | None,
+        busy_gpus: Set[int] = frozenset(),
+        *,
+        reason: str = UNREADABLE,
+    ) -> AdoptReport:
+        """Rebuild ownership after a restart; clean idle GPUs (``busy_gpus``: also keep these)."""
+        if desired is None:
+            log.warning("mig.adoption_skipped", node=self._node, reason=reason)
+            return AdoptReport(skipped=True, reason=reason)
+        try:
+            indexes = self._gpu_indexes()
+            count = self._backend.device_count()
+        except NvmlError as e:
+            log.warning("mig.adoption_skipped", node=self._node, reason=str(e))
+            return AdoptReport(skipped=True, reason=f"cannot list GPUs: {e}")
+        by_gpu: dict[int, list[tuple[InstanceKey, Reservation]]] = {}
+        for r in desired.reservations:
+            key = self._key_of(r, indexes)
+            if key is not None:
+                by_gpu.setdefault(key.gpu_index, []).append((key, r))
+        tally = _Tally()
+        kept: list[int] = []
+        cleaned: list[int] = []
+        for idx in range(count):
+            with self._gpu_locks_held({idx}):
+                try:
+                    if not self._backend.mig_mode(idx).current:
+                        continue
+                    busy = idx in busy_gpus or idx in by_gpu
+                    busy = busy or bool(self._backend.running_processes(idx))
+                except NotSupported:
+                    continue  # not MIG-capable
+                except NvmlError as e:  # unknown activity: keep the GPU
+                    tally.failed.append(Problem(f"GPU {idx}: {e}"))
+                    kept.append(idx)
+                    continue
+                if busy:
+                    kept.append(idx)
+                    self._adopt_recorded(idx, by_gpu.get(idx, []), tally)
+                elif self._clean(idx, tally):
+                    cleaned.append(idx)
+        log.info(
+            "mig.adoption_done",
+            node=self._node,
+            kept=kept,
+            cleaned=cleaned,
+            adopted=len(tally.adopted),
+            mismatched=len(tally.mismatched),
+        )
+        return AdoptReport(
+            kept_gpus=tuple(kept),
+            cleaned_gpus=tuple(cleaned),
+            adopted=tuple(tally.adopted),
+            mismatched=tuple(tally.mismatched),
+            pending=tuple(tally.pending),
+            failed=tuple(tally.failed),
+        )
+
+    def _clean(self, idx: int, tally: _Tally) -> bool:
+        """Destroy every CI and GI on an idle GPU (GPU lock held); whether it is now clean."""
+        clean = True
+        try:
+            gis = self._backend.gpu_instances(idx)
+        except NvmlError as e:
+            tally.failed.append(Problem(f"GPU {idx}: {e}"))
+            return False
+        for gi in gis:
+            try:
+                for ci in self._backend.compute_instances(idx, gi.id):
+                    self._backend.destroy_compute_instance(idx, gi.id, ci.id)
+                self._backend.destroy_gpu_instance(idx, gi.id)
+            except NvmlError as e:
+                clean = False
+                tally.failed.append(Problem(f"GPU {idx}: {e}"))
+                log.warning(
+                    "mig.clean_failed", node=self._node, gpu=self._uuid_of(idx), error=str(e)
+                )
+        for m in self._managed_on(idx):
+            self._forget(m.key)
+        if clean:
+            log.info("mig.gpu_cleaned", node=self._node, gpu=self._uuid_of(idx), destroyed=len(gis))
+        return clean
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _identity_problem(
+        self, key: InstanceKey, profile_id: int, rt: RuntimeIdentity
+    ) -> str | None:
+        """Why NVML's instance at ``key`` is not ``rt``, or None if it is."""
+        idx = key.gpu_index
+        gi = next(
+            (g for g in self._backend.gpu_instances(idx) if g.placement == key.placement), None
+        )
+        if gi is None:
+            return f"no GPU instance at {describe_placement(key.placement)}"
+        if gi.profile_id != profile_id:
+            return f"GPU instance {gi.id} has profile id {gi.profile_id}, not {profile_id}"
+        if gi.id != rt.gpu_instance_id:
+            return f"GPU instance id is {gi.id}, recorded {rt.gpu_instance_id}"
+        cis = self._backend.compute_instances(idx, gi.id)
+        if not any(c.id == rt.compute_instance_id for c in cis):
+            return f"GPU instance {gi.id} has no compute instance {rt.compute_instance_id}"
+        try:
+            uuid = self._backend.mig_device_uuid(idx, gi.id, rt.compute_instance_id)
+        except NotFound:
+            return f"compute instance {rt.compute_instance_id} has no MIG device"
+        if uuid != rt.mig_uuid:
+            return f"MIG device is {uuid}, recorded {rt.mig_uuid}"
+        return None
+
+    def _gpu_indexes(self) -> dict[str, int]:
+        with self._state_lock:
+            cached = self._gpu_index_by_uuid
+        if cached is None:
+            b = self._backend
+            cached = {b.device(i).uuid: i for i in range(b.device_count())}
+            with self._state_lock:
+                self._gpu_index_by_uuid = cached
+        return cached
+
+    def _uuid_of(self, idx: int) -> str:
+        """The GPU's UUID for logs (its index while the UUIDs are not known yet)."""
+        with self._state_lock:
+            known = self._gpu_index_by_uuid or {}
+        return next((u for u, i in known.items() if i == idx), str(idx))
+
+    def _profiles(self, idx: int) -> dict[str, GpuInstanceProfileInfo]:
+        return resolve_profiles(self._backend, self._backend.device(idx))
+
+    def _key_of(self, r: Reservation, indexes: dict[str, int]) -> InstanceKey | None:
+        a = r.allocation
+        idx = indexes.get(a.gpu_uuid)
+        if idx is None:
+            log.warning("mig.foreign_reservation", pod=r.pod, node=self._node, gpu=a.gpu_uuid)
+            return None
+        return InstanceKey(idx, a.profile, a.placement.start, a.placement.size)
+
+    def _managed_on(self, idx: int) -> list[ManagedInstance]:
+        with self._state_lock:
+            return sorted(
+                (m for m in self._instances.values() if m.key.gpu_index == idx),
+                key=lambda m: m.key,
+            )
+
+    def _record(self, m: ManagedInstance) -> None:
+        with self._state_lock:
+            self._instances[m.key] = m
+
+    def _forget(self, key: InstanceKey) -> None:
+        with self._state_lock:
+            self._instances.pop(key, None)
+
+    @contextmanager
+    def _gpu_locks_held(self, indexes: Set[int]) -> Iterator[None]:
+        with self._state_lock:
+            locks = [self._gpu_locks.setdefault(i, threading.Lock()) for i in sorted(indexes)]
+        with ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
