@@ -39,6 +39,7 @@ from scheduler_plugins.devcluster.layout import (
     ClusterSettings,
     repo_root,
 )
+from scheduler_plugins.kube.errors import KubeError
 
 log = structlog.get_logger(__name__)
 
@@ -268,7 +269,7 @@ class Cluster:
             try:
                 api.get("/api/v1/namespaces/default")
                 break
-            except ClusterError:
+            except (ClusterError, KubeError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
@@ -385,7 +386,7 @@ def _readyz_probe(api: KubeApi) -> Callable[[], str | None]:
     def probe() -> str | None:
         try:
             status, body = api.probe("/readyz")
-        except ClusterError as e:
+        except (ClusterError, KubeError) as e:
             return str(e.__cause__ or e)
         return None if status == 200 else f"/readyz: {status} {body.strip()[-300:]}"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler_plugins.errors import InvalidInputError, TesseraError
+from scheduler_plugins.kube import errors as kube_errors
 
 
 class ClusterError(TesseraError):
@@ -21,24 +22,11 @@ class ComponentFailedError(ClusterError):
     """A component exited or did not become ready in time; the message holds its log tail."""
 
 
-class ApiError(ClusterError):
-    """The kube-apiserver answered with an error status."""
-
-    def __init__(self, method: str, path: str, status: int, reason: str, message: str) -> None:
-        self.method = method
-        self.path = path
-        self.status = status
-        self.reason = reason
-        self.message = message
-        super().__init__(f"{method} {path}: HTTP {status} {reason}: {message}")
-
-
-class NotFoundError(ApiError):
-    """HTTP 404."""
-
-
-class ConflictError(ApiError):
-    """HTTP 409: the object exists already or was changed concurrently."""
+# The API errors are the shared client's (scheduler_plugins.kube); aliased so dev-cluster
+# code and tests keep importing them from here.
+ApiError = kube_errors.ApiError
+NotFoundError = kube_errors.NotFoundError
+ConflictError = kube_errors.ConflictError
 
 
 class ProfileError(InvalidInputError):

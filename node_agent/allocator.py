@@ -1,0 +1,383 @@
+"""The node agent's Allocate: which pod, what the container gets, and the annotations after.
+
+``Allocator`` is the device plugin's ``AllocateHandler``. For each container request it
+finds the pod (``node_agent.pod_matching``, no node lock), takes the devices and limits
+from *that pod's* ``hami.io/vgpu-devices-to-allocate`` entry (never from another pod), checks
+what it did not write (the entry's GPUs are this node's, limits in range, the container's
+MIG reservations agree with it), then:
+
+- hami-core: HAMi-core's envs and mounts (``libvgpu.so``, ``ld.so.preload`` unless the
+  container sets ``CUDA_DISABLE_CONTROL=true``, a per-container cache dir, ``/tmp/vgpulock``);
+- MIG: ``MigManager.ensure`` (reconcile first, exact placement, idempotent, rollback of this
+  attempt) and ``NVIDIA_VISIBLE_DEVICES=MIG-…``.
+
+Then one merge patch with a resourceVersion precondition empties the container's
+to-allocate entry (plus, for MIG, writes the runtime identities into
+``hami.io/vgpu-mig-allocations``) and sets ``bind-phase: success`` once every entry is empty;
+a 409 re-reads the pod and retries. A permanent failure after the pod is known sets
+``bind-phase: failed``; a temporary one (API unreachable) leaves the pod allocating so a
+retried Allocate completes it, returning the same MIG instance.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol
+
+import structlog
+
+from node_agent.deviceplugin.ids import device_id
+from node_agent.deviceplugin.types import ContainerAllocation, Mount
+from node_agent.mig_manager import MigManager
+from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
+from node_agent.nvml.backend import DeviceInfo, NvmlBackend
+from node_agent.pod_matching import (
+    annotations_of,
+    match_pod,
+    next_container,
+    pod_key,
+    to_allocate,
+)
+from scheduler_plugins.annotations import (
+    BIND_PHASE,
+    DEVICES_TO_ALLOCATE,
+    MIG_ALLOCATIONS,
+    GpuMode,
+)
+from scheduler_plugins.config import DeviceConfig
+from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
+from scheduler_plugins.kube.errors import ConflictError, NotFoundError
+from scheduler_plugins.pod_annotations import (
+    ContainerDevices,
+    MigAllocation,
+    RuntimeIdentity,
+    encode_devices,
+)
+
+log = structlog.get_logger(__name__)
+
+HOOK_DIR: Final = "/usr/local/vgpu"
+HOST_HOOK_DIR: Final = "/usr/local"  # HAMi's hostHookPath: libvgpu.so under <it>/vgpu/
+LIBVGPU: Final = f"{HOOK_DIR}/libvgpu.so"
+LD_PRELOAD: Final = "/etc/ld.so.preload"
+VGPU_LOCK: Final = "/tmp/vgpulock"
+PATCH_ATTEMPTS: Final = 5
+
+
+class PodApi(Protocol):
+    """The Kubernetes calls the allocator makes (``scheduler_plugins.kube.KubeClient``)."""
+
+    def get(self, path: str) -> Any: ...
+
+    def list(self, path: str, *, field_selector: str | None = None) -> dict[str, Any]: ...
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any: ...
+
+
+class AllocationRefusedError(InvalidInputError):
+    """The matched pod's annotations are not something this node can allocate."""
+
+
+class PatchGaveUpError(TemporaryError):
+    """The pod kept changing under the resourceVersion precondition."""
+
+
+PatchBuilder = Callable[[Mapping[str, str]], dict[str, str] | None]
+
+
+class Allocator:
+    """Allocate for one node; thread-safe (no state besides the injected objects)."""
+
+    def __init__(
+        self,
+        node_name: str,
+        kube: PodApi,
+        backend: NvmlBackend,
+        mig_manager: MigManager | None,
+        config: DeviceConfig,
+        *,
+        operating_mode: GpuMode | None = None,
+        host_hook_dir: str = HOST_HOOK_DIR,
+        cache_name: Callable[[], str] = lambda: str(uuid.uuid4()),
+    ) -> None:
+        self.node_name = node_name
+        self._kube = kube
+        self._backend = backend
+        self._mig = mig_manager
+        self._config = config
+        node = config.node(node_name)
+        self._mode: GpuMode = operating_mode or node.operating_mode
+        self._scaling = node.device_memory_scaling or config.device_memory_scaling
+        self._host_hook = host_hook_dir.rstrip("/")
+        self._cache_name = cache_name
+
+    # AllocateHandler ------------------------------------------------------------------------
+
+    def allocate(self, containers: Sequence[Sequence[str]]) -> Sequence[ContainerAllocation]:
+        out: list[ContainerAllocation] = []
+        for ids in containers:
+            pods = self._list_pods()
+            match = match_pod(pods, self.node_name, ids)
+            out.append(self._allocate_guarded(match.pod, match.container_index, pods))
+        return out
+
+    def pre_start(self, device_ids: Sequence[str]) -> None:
+        return None
+
+    # kwok mode: the pod is known, the kubelet's device ids are derived from its entry -------
+
+    def allocate_next(self, namespace: str, name: str) -> ContainerAllocation | None:
+        """Allocate the pod's next container (as the kubelet's Allocate would); None when
+        the pod has nothing left to allocate or is no longer allocating."""
+        pods = self._list_pods()
+        pod = next(
+            (p for p in pods if pod_key(p) == f"{namespace}/{name}"),
+            None,
+        )
+        if pod is None or annotations_of(pod).get(BIND_PHASE) != "allocating":
+            return None
+        nxt = next_container(annotations_of(pod), obj=f"{namespace}/{name}")
+        if nxt is None:
+            return None
+        return self._allocate_guarded(pod, nxt[0], pods)
+
+    @staticmethod
+    def device_ids(entry: ContainerDevices) -> list[str]:
+        """Kubelet-style ids for an entry: one slot per device, distinct per GPU."""
+        seen: Counter[str] = Counter()
+        ids: list[str] = []
+        for d in entry:
+            ids.append(device_id(d.uuid, seen[d.uuid]))
+            seen[d.uuid] += 1
+        return ids
+
+    # Flow ---------------------------------------------------------------------------------
+
+    def _list_pods(self) -> list[dict[str, Any]]:
+        answer = self._kube.list("/api/v1/pods", field_selector=f"spec.nodeName={self.node_name}")
+        return list(answer.get("items") or [])
+
+    def _allocate_guarded(
+        self, pod: Mapping[str, Any], ci: int, pods: Sequence[Mapping[str, Any]]
+    ) -> ContainerAllocation:
+        key = pod_key(pod)
+        try:
+            return self._allocate(pod, ci, pods)
+        except TemporaryError:
+            raise  # the pod stays allocating; a retried Allocate completes it
+        except TesseraError as e:
+            log.warning("allocate.failed", pod=key, node=self.node_name, container=ci, error=str(e))
+            self._mark_failed(pod)
+            raise
+
+    def _allocate(
+        self, pod: Mapping[str, Any], ci: int, pods: Sequence[Mapping[str, Any]]
+    ) -> ContainerAllocation:
+        key = pod_key(pod)
+        ann = annotations_of(pod)
+        pending = to_allocate(ann, obj=f"pod {key}")
+        entry = pending[ci]
+        container = self._container(pod, ci)
+        self._check_devices(key, ci, entry)
+        reservations = self._reservations(key, ann, ci)
+        if reservations:
+            return self._allocate_mig(pod, ci, entry, reservations, pods)
+        if self._mode == "mig":
+            raise AllocationRefusedError(
+                f"pod {key} container {ci}: node {self.node_name} runs MIG but the container "
+                f"has no {MIG_ALLOCATIONS} reservation; the pod must be rescheduled"
+            )
+        allocation = self._hami_core(pod, container, entry)
+
+        def build(fresh: Mapping[str, str]) -> dict[str, str] | None:
+            return self._emptied(key, fresh, ci, entry)
+
+        self._patch(pod, build)
+        log.info("allocate.done", pod=key, node=self.node_name, container=ci, mode="hami-core")
+        return allocation
+
+    def _allocate_mig(
+        self,
+        pod: Mapping[str, Any],
+        ci: int,
+        entry: ContainerDevices,
+        reservations: tuple[MigAllocation, ...],
+        pods: Sequence[Mapping[str, Any]],
+    ) -> ContainerAllocation:
+        key = pod_key(pod)
+        if self._mig is None:
+            raise AllocationRefusedError(f"pod {key}: this agent has no MIG manager")
+        if Counter(r.gpu_uuid for r in reservations) != Counter(d.uuid for d in entry):
+            raise AllocationRefusedError(
+                f"pod {key} container {ci}: {MIG_ALLOCATIONS} reserves GPUs "
+                f"{sorted(r.gpu_uuid for r in reservations)} but {DEVICES_TO_ALLOCATE} lists "
+                f"{sorted(d.uuid for d in entry)}"
+            )
+        read = desired_from_pods(pods, node_name=self.node_name)
+        identities = self._mig.ensure(key, reservations, read.desired, desired_reason=read.reason)
+
+        def build(fresh: Mapping[str, str]) -> dict[str, str] | None:
+            patch = self._emptied(key, fresh, ci, entry)
+            if patch is None:
+                self._check_recorded(key, fresh, ci, identities)
+                return None
+            patch[MIG_ALLOCATIONS] = with_runtime(
+                fresh.get(MIG_ALLOCATIONS, ""), ci, identities, obj=f"pod {key}"
+            )
+            return patch
+
+        self._patch(pod, build)
+        log.info(
+            "allocate.done",
+            pod=key,
+            node=self.node_name,
+            container=ci,
+            mode="mig",
+            mig=[i.mig_uuid for i in identities],
+        )
+        return ContainerAllocation(
+            envs={"NVIDIA_VISIBLE_DEVICES": ",".join(i.mig_uuid for i in identities)}
+        )
+
+    # Checks on annotations this agent did not write ----------------------------------------
+
+    def _container(self, pod: Mapping[str, Any], ci: int) -> Mapping[str, Any]:
+        spec = pod.get("spec") or {}
+        containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        if not 0 <= ci < len(containers) or not isinstance(containers[ci], Mapping):
+            raise AllocationRefusedError(
+                f"pod {pod_key(pod)}: {DEVICES_TO_ALLOCATE} has an entry for container {ci} "
+                f"but the pod has {len(containers)} containers"
+            )
+        return containers[ci]  # type: ignore[no-any-return]
+
+    def _check_devices(self, key: str, ci: int, entry: ContainerDevices) -> None:
+        gpus: dict[str, DeviceInfo] = {}
+        for i in range(self._backend.device_count()):
+            info = self._backend.device(i)
+            gpus[info.uuid] = info
+        for d in entry:
+            dev = gpus.get(d.uuid)
+            if dev is None:
+                raise AllocationRefusedError(
+                    f"pod {key} container {ci}: GPU {d.uuid} is not on node {self.node_name}"
+                )
+            limit = int(dev.memory_mib * (self._scaling if self._mode == "hami-core" else 1.0))
+            if d.mem > limit:
+                raise AllocationRefusedError(
+                    f"pod {key} container {ci}: {d.mem} MiB asked on GPU {d.uuid}, "
+                    f"which has {limit} MiB"
+                )
+
+    def _reservations(self, key: str, ann: Mapping[str, str], ci: int) -> tuple[MigAllocation, ...]:
+        value = ann.get(MIG_ALLOCATIONS)
+        if value is None:
+            return ()
+        return container_reservations(value, ci, obj=f"pod {key}")
+
+    # hami-core ------------------------------------------------------------------------------
+
+    def _hami_core(
+        self, pod: Mapping[str, Any], container: Mapping[str, Any], entry: ContainerDevices
+    ) -> ContainerAllocation:
+        envs: dict[str, str] = {"NVIDIA_VISIBLE_DEVICES": ",".join(d.uuid for d in entry)}
+        for i, d in enumerate(entry):
+            envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{d.mem}m"
+        envs["CUDA_DEVICE_SM_LIMIT"] = str(entry[0].cores)
+        envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = f"{HOOK_DIR}/{self._cache_name()}.cache"
+        if self._scaling > 1:
+            envs["CUDA_OVERSUBSCRIBE"] = "true"
+        uid = str((pod.get("metadata") or {}).get("uid", ""))
+        name = str(container.get("name", ""))
+        mounts = [
+            Mount(LIBVGPU, f"{self._host_hook}/vgpu/libvgpu.so", True),
+            Mount(HOOK_DIR, f"{self._host_hook}/vgpu/containers/{uid}_{name}", False),
+            Mount(VGPU_LOCK, VGPU_LOCK, False),
+        ]
+        if not _control_disabled(container):
+            mounts.append(Mount(LD_PRELOAD, f"{self._host_hook}/vgpu/ld.so.preload", True))
+        return ContainerAllocation(envs=envs, mounts=tuple(mounts))
+
+    # Patching -------------------------------------------------------------------------------
+
+    def _emptied(
+        self, key: str, fresh: Mapping[str, str], ci: int, entry: ContainerDevices
+    ) -> dict[str, str] | None:
+        """The to-allocate/bind-phase patch for ``fresh`` annotations; None if already done."""
+        pending = list(to_allocate(fresh, obj=f"pod {key}"))
+        if ci >= len(pending):
+            raise AllocationRefusedError(f"pod {key}: container {ci} left {DEVICES_TO_ALLOCATE}")
+        if not pending[ci]:
+            return None
+        if pending[ci] != entry:
+            raise AllocationRefusedError(
+                f"pod {key} container {ci}: {DEVICES_TO_ALLOCATE} changed while allocating"
+            )
+        pending[ci] = ()
+        patch = {DEVICES_TO_ALLOCATE: encode_devices(tuple(pending))}
+        if not any(pending):
+            patch[BIND_PHASE] = "success"
+        return patch
+
+    def _check_recorded(
+        self, key: str, fresh: Mapping[str, str], ci: int, identities: Sequence[RuntimeIdentity]
+    ) -> None:
+        """A concurrent Allocate finished this container first: it must have recorded the
+        same instances (the manager is idempotent), else the records are inconsistent."""
+        recorded = [r.runtime for r in self._reservations(key, fresh, ci)]
+        if recorded != list(identities):
+            raise AllocationRefusedError(
+                f"pod {key} container {ci}: already allocated with other MIG instances"
+            )
+        return None
+
+    def _patch(self, pod: Mapping[str, Any], build: PatchBuilder) -> None:
+        meta = pod.get("metadata") or {}
+        path = _pod_path(pod)
+        uid = meta.get("uid")
+        current: Mapping[str, Any] = pod
+        for _ in range(PATCH_ATTEMPTS):
+            patch = build(annotations_of(current))
+            if patch is None:
+                return
+            rv = (current.get("metadata") or {}).get("resourceVersion")
+            try:
+                self._kube.merge_patch(
+                    path, {"metadata": {"annotations": patch}}, resource_version=rv
+                )
+                return
+            except ConflictError:
+                current = self._kube.get(path)
+                if (current.get("metadata") or {}).get("uid") != uid:
+                    raise AllocationRefusedError(
+                        f"pod {pod_key(pod)} was replaced while allocating"
+                    ) from None
+        raise PatchGaveUpError(
+            f"pod {pod_key(pod)} changed {PATCH_ATTEMPTS} times while allocating; retry"
+        )
+
+    def _mark_failed(self, pod: Mapping[str, Any]) -> None:
+        try:
+            self._kube.merge_patch(
+                _pod_path(pod), {"metadata": {"annotations": {BIND_PHASE: "failed"}}}
+            )
+        except NotFoundError:
+            pass
+        except TesseraError as e:
+            log.warning("allocate.mark_failed_failed", pod=pod_key(pod), error=str(e))
+
+
+def _pod_path(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"/api/v1/namespaces/{meta.get('namespace') or 'default'}/pods/{meta.get('name', '')}"
+
+
+def _control_disabled(container: Mapping[str, Any]) -> bool:
+    for env in container.get("env") or []:
+        if isinstance(env, Mapping) and env.get("name") == "CUDA_DISABLE_CONTROL":
+            return str(env.get("value", "")).lower() == "true"
+    return False

@@ -1,0 +1,256 @@
+"""Allocate end to end against a strict simulated GPU and an in-memory apiserver double."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator
+from node_agent.deviceplugin.types import Mount
+from node_agent.gpu_catalog import find_model
+from node_agent.mig_manager import MigAllocationError, MigManager
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from node_agent.pod_matching import NoMatchingPodError
+from scheduler_plugins.annotations import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS
+from scheduler_plugins.config import DeviceConfig, NodeConfig
+from scheduler_plugins.errors import InvalidAnnotationError, TemporaryError
+from scheduler_plugins.kube.errors import ServerError
+from scheduler_plugins.node_register import Placement
+from scheduler_plugins.pod_annotations import decode_mig_allocations
+from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc
+
+NODE = "node-a"
+G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
+A100 = "A100-PCIE-40GB"
+
+
+@pytest.fixture
+def backend() -> Iterator[SimulatedNvml]:
+    b = SimulatedNvml([SimulatedGpuSpec(A100, uuid=G0), SimulatedGpuSpec(A100, uuid=G1)], None)
+    b.init()
+    yield b
+    b.shutdown()
+
+
+def allocator(
+    kube: FakeKube, backend: SimulatedNvml, mode: str = "hami-core", scaling: float | None = None
+) -> tuple[Allocator, MigManager]:
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, mode, None, scaling),))  # type: ignore[arg-type]
+    mig = MigManager(backend, node_name=NODE)
+    return Allocator(NODE, kube, backend, mig, cfg, cache_name=lambda: "fixed"), mig
+
+
+def gis(backend: SimulatedNvml, index: int = 0) -> list[Placement]:
+    return sorted(g.placement for g in backend.gpu_instances(index))
+
+
+def profile_id(name: str) -> int:
+    fact = find_model(A100).profile(name)
+    assert fact is not None
+    return fact.profile_id
+
+
+# hami-core ------------------------------------------------------------------------------
+
+
+def test_hami_core_envs_mounts_and_patch(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(make_pod("p", devices=[[(G0, 3000, 30), (G1, 2000, 20)]]))
+    rv = kube.objects[path]["metadata"]["resourceVersion"]
+    alloc, _ = allocator(kube, backend)
+    [out] = alloc.allocate([[f"{G1}-2", f"{G0}-7"]])
+    assert dict(out.envs) == {
+        "NVIDIA_VISIBLE_DEVICES": f"{G0},{G1}",
+        "CUDA_DEVICE_MEMORY_LIMIT_0": "3000m",
+        "CUDA_DEVICE_MEMORY_LIMIT_1": "2000m",
+        "CUDA_DEVICE_SM_LIMIT": "30",
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{HOOK_DIR}/fixed.cache",
+    }
+    assert out.mounts == (
+        Mount("/usr/local/vgpu/libvgpu.so", "/usr/local/vgpu/libvgpu.so", True),
+        Mount("/usr/local/vgpu", "/usr/local/vgpu/containers/uid-p_c0", False),
+        Mount("/tmp/vgpulock", "/tmp/vgpulock", False),
+        Mount("/etc/ld.so.preload", "/usr/local/vgpu/ld.so.preload", True),
+    )
+    ann = kube.annotations(path)
+    assert ann[DEVICES_TO_ALLOCATE] == ";"
+    assert ann[BIND_PHASE] == "success"
+    assert kube.patches[-1][2] == rv  # resourceVersion precondition
+
+
+def test_control_disabled_skips_preload_and_scaling_oversubscribes(
+    backend: SimulatedNvml,
+) -> None:
+    kube = FakeKube()
+    ctr = {"name": "c", "env": [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]}
+    kube.add_pod(make_pod("p", devices=[[(G0, 50000, 30)]], containers=[ctr]))
+    alloc, _ = allocator(kube, backend, scaling=2.0)
+    [out] = alloc.allocate([[f"{G0}-0"]])
+    assert "/etc/ld.so.preload" not in {m.container_path for m in out.mounts}
+    assert out.envs["CUDA_OVERSUBSCRIBE"] == "true"
+
+
+def test_containers_allocate_in_order_and_success_comes_last(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(
+        make_pod(
+            "p",
+            devices=[[(G0, 1000, 10)], [], [(G1, 1000, 10)]],
+            containers=[{"name": n} for n in "xyz"],
+        )
+    )
+    alloc, _ = allocator(kube, backend)
+    alloc.allocate([[f"{G0}-0"]])
+    ann = kube.annotations(path)
+    assert ann[DEVICES_TO_ALLOCATE] == f";;{G1},NVIDIA,1000,10:;"
+    assert ann[BIND_PHASE] == "allocating"
+    [out] = alloc.allocate([[f"{G1}-0"]])
+    assert out.envs["NVIDIA_VISIBLE_DEVICES"] == G1
+    assert kube.annotations(path)[BIND_PHASE] == "success"
+
+
+def test_conflict_rereads_and_keeps_the_other_writers_change(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    kube.before_patch = lambda p: kube.merge_patch(p, {"metadata": {"labels": {"x": "y"}}})
+    alloc, _ = allocator(kube, backend)
+    alloc.allocate([[f"{G0}-0"]])
+    assert kube.annotations(path)[BIND_PHASE] == "success"
+    assert kube.objects[path]["metadata"]["labels"] == {"x": "y"}
+    assert [p[2] is not None for p in kube.patches].count(True) == 2  # 409, then success
+
+
+def test_gpu_of_another_node_is_refused_and_marked_failed(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    other = "GPU-99999999-9999-9999-9999-999999999999"
+    path = kube.add_pod(make_pod("p", devices=[[(other, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    with pytest.raises(AllocationRefusedError, match="not on node"):
+        alloc.allocate([[f"{other}-0"]])
+    assert kube.annotations(path)[BIND_PHASE] == "failed"
+
+
+def test_memory_above_the_card_is_refused(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G0, 90000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    with pytest.raises(AllocationRefusedError, match="MiB"):
+        alloc.allocate([[f"{G0}-0"]])
+
+
+def test_no_pod_waits_for_the_devices(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    with pytest.raises(NoMatchingPodError):
+        alloc.allocate([[f"{G1}-0"]])
+
+
+# MIG ------------------------------------------------------------------------------------
+
+
+def test_mig_creates_exact_instance_and_records_identity(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(
+        make_pod("m", devices=[[(G0, 9984, 29)]], mig=[mig_alloc(0, 0, G0, "2g.10gb", 2, 2)])
+    )
+    alloc, mig = allocator(kube, backend, mode="mig")
+    [out] = alloc.allocate([[f"{G0}-0"]])
+    assert gis(backend) == [Placement(2, 2)]
+    ann = kube.annotations(path)
+    [rec] = decode_mig_allocations(ann[MIG_ALLOCATIONS])
+    assert rec.runtime is not None
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": rec.runtime.mig_uuid}
+    assert out.mounts == ()
+    assert ann[DEVICES_TO_ALLOCATE] == ";"
+    assert ann[BIND_PHASE] == "success"
+    # one patch carried both annotations, under a precondition
+    _, patch, rv = kube.patches[-1]
+    assert set(patch["metadata"]["annotations"]) == {
+        MIG_ALLOCATIONS,
+        DEVICES_TO_ALLOCATE,
+        BIND_PHASE,
+    }
+    assert rv is not None
+    assert len(mig.instances()) == 1
+
+
+def test_repeated_allocate_after_a_lost_patch_returns_the_same_instance(
+    backend: SimulatedNvml,
+) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(
+        make_pod("m", devices=[[(G0, 9984, 29)]], mig=[mig_alloc(0, 0, G0, "2g.10gb", 4, 2)])
+    )
+    alloc, _ = allocator(kube, backend, mode="mig")
+    kube.fail_patch.append(ServerError("PATCH", path, 503, "ServiceUnavailable", "busy"))
+    with pytest.raises(TemporaryError):
+        alloc.allocate([[f"{G0}-0"]])
+    assert kube.annotations(path)[BIND_PHASE] == "allocating"  # left for the retry
+    first = backend.gpu_instances(0)
+    [out] = alloc.allocate([[f"{G0}-0"]])
+    assert backend.gpu_instances(0) == first
+    [rec] = decode_mig_allocations(kube.annotations(path)[MIG_ALLOCATIONS])
+    assert rec.runtime is not None and out.envs["NVIDIA_VISIBLE_DEVICES"] == rec.runtime.mig_uuid
+
+
+def test_multi_device_failure_rolls_back_and_marks_failed(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    # Someone else's 3g instance covers [4,8): the second reservation cannot be realized.
+    backend.create_gpu_instance_with_placement(0, profile_id("3g.20gb"), Placement(4, 4))
+    path = kube.add_pod(
+        make_pod(
+            "m",
+            devices=[[(G0, 9984, 29), (G0, 9984, 29)]],
+            mig=[mig_alloc(0, 0, G0, "2g.10gb", 0, 2), mig_alloc(0, 1, G0, "2g.10gb", 4, 2)],
+        )
+    )
+    alloc, mig = allocator(kube, backend, mode="mig")
+    with pytest.raises(MigAllocationError):
+        alloc.allocate([[f"{G0}-0", f"{G0}-1"]])
+    assert gis(backend) == [Placement(4, 4)]  # only the foreign one; nothing leaked
+    assert mig.instances() == {}
+    assert kube.annotations(path)[BIND_PHASE] == "failed"
+
+
+def test_reservation_not_matching_the_entry_changes_no_hardware(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(
+        make_pod("m", devices=[[(G0, 9984, 29)]], mig=[mig_alloc(0, 0, G1, "2g.10gb", 0, 2)])
+    )
+    alloc, _ = allocator(kube, backend, mode="mig")
+    with pytest.raises(AllocationRefusedError, match="reserves GPUs"):
+        alloc.allocate([[f"{G0}-0"]])
+    assert gis(backend, 0) == [] and gis(backend, 1) == []
+    assert kube.annotations(path)[BIND_PHASE] == "failed"
+
+
+def test_malformed_mig_record_changes_no_hardware(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(
+        make_pod("m", devices=[[(G0, 9984, 29)]], extra_annotations={MIG_ALLOCATIONS: "[{"})
+    )
+    alloc, _ = allocator(kube, backend, mode="mig")
+    with pytest.raises(InvalidAnnotationError):
+        alloc.allocate([[f"{G0}-0"]])
+    assert gis(backend) == []
+    assert kube.annotations(path)[BIND_PHASE] == "failed"
+
+
+def test_mig_node_refuses_a_container_without_reservation(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend, mode="mig")
+    with pytest.raises(AllocationRefusedError, match="runs MIG"):
+        alloc.allocate([[f"{G0}-0"]])
+
+
+def test_allocate_next_derives_kubelet_ids(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10), (G1, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    out = alloc.allocate_next("default", "p")
+    assert out is not None and out.envs["NVIDIA_VISIBLE_DEVICES"] == f"{G0},{G1}"
+    assert alloc.allocate_next("default", "p") is None
+    assert kube.annotations(path)[BIND_PHASE] == "success"
