@@ -9,6 +9,7 @@ PYTHON="${PYTHON:-${ROOT}/.venv/bin/python}"
 
 PROTOS=(
   api/deviceplugin/v1beta1/api.proto
+  api/plugin/v1/plugin.proto
 )
 
 cd "${ROOT}"

@@ -1,0 +1,116 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_1: ProtocolVersion
+
+class PodRef(_message.Message):
+    __slots__ = ("namespace", "name", "uid")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    name: str
+    uid: str
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
+
+class PreFilterRequest(_message.Message):
+    __slots__ = ("version", "pod", "pod_json")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    POD_JSON_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    pod: PodRef
+    pod_json: bytes
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., pod_json: _Optional[bytes] = ...) -> None: ...
+
+class PreFilterResponse(_message.Message):
+    __slots__ = ("code", "message", "feasible_nodes", "scores", "infeasible_message", "decision_id")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CODE_UNSPECIFIED: _ClassVar[PreFilterResponse.Code]
+        OK: _ClassVar[PreFilterResponse.Code]
+        SKIP: _ClassVar[PreFilterResponse.Code]
+        UNSCHEDULABLE: _ClassVar[PreFilterResponse.Code]
+        INVALID: _ClassVar[PreFilterResponse.Code]
+    CODE_UNSPECIFIED: PreFilterResponse.Code
+    OK: PreFilterResponse.Code
+    SKIP: PreFilterResponse.Code
+    UNSCHEDULABLE: PreFilterResponse.Code
+    INVALID: PreFilterResponse.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FEASIBLE_NODES_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    INFEASIBLE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    code: PreFilterResponse.Code
+    message: str
+    feasible_nodes: _containers.RepeatedScalarFieldContainer[str]
+    scores: _containers.RepeatedScalarFieldContainer[int]
+    infeasible_message: str
+    decision_id: int
+    def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("version", "pod", "node", "decision_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    pod: PodRef
+    node: str
+    decision_id: int
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., decision_id: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnreserveRequest(_message.Message):
+    __slots__ = ("version", "pod", "node")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    pod: PodRef
+    node: str
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ...) -> None: ...
+
+class UnreserveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PreBindRequest(_message.Message):
+    __slots__ = ("version", "pod", "node")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    pod: PodRef
+    node: str
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ...) -> None: ...
+
+class PreBindResponse(_message.Message):
+    __slots__ = ("annotations",)
+    class AnnotationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    annotations: _containers.ScalarMap[str, str]
+    def __init__(self, annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
