@@ -94,9 +94,16 @@ def make_nodes(n: int, config: DeviceConfig, rng: random.Random) -> list[NodeSpe
         profiles = _registered_profiles(model, config) if mig else ()
         devices = tuple(
             GpuDevice(
-                id=f"GPU-{i:05d}-{j}", index=j, count=config.device_split_count,
-                devmem=model.memory_mib, devcore=100, type=model.name, numa=j // 4,
-                health=True, mode="mig" if mig else "hami-core", mig_profiles=profiles,
+                id=f"GPU-{i:05d}-{j}",
+                index=j,
+                count=config.device_split_count,
+                devmem=model.memory_mib,
+                devcore=100,
+                type=model.name,
+                numa=j // 4,
+                health=True,
+                mode="mig" if mig else "hami-core",
+                mig_profiles=profiles,
             )
             for j in range(GPUS_PER_NODE)
         )
@@ -157,34 +164,52 @@ def make_pods(
 def _pod(
     kind: str, containers: list[dict[str, int]], annotations: dict[str, str]
 ) -> dict[str, Any]:
-    names = {"gpu": "nvidia.com/gpu", "gpumem": "nvidia.com/gpumem",
-             "pct": "nvidia.com/gpumem-percentage", "cores": "nvidia.com/gpucores"}
+    names = {
+        "gpu": "nvidia.com/gpu",
+        "gpumem": "nvidia.com/gpumem",
+        "pct": "nvidia.com/gpumem-percentage",
+        "cores": "nvidia.com/gpucores",
+    }
     return {
         "metadata": {"name": kind, "namespace": "bench", "annotations": annotations},
-        "spec": {"containers": [
-            {"name": f"c{i}", "resources": {"limits": {names[k]: v for k, v in c.items()}}}
-            for i, c in enumerate(containers)
-        ]},
+        "spec": {
+            "containers": [
+                {"name": f"c{i}", "resources": {"limits": {names[k]: v for k, v in c.items()}}}
+                for i, c in enumerate(containers)
+            ]
+        },
     }
 
 
 REQUEST_MIX: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("core-1gpu", _pod("core-1gpu", [{"gpu": 1, "gpumem": 4000, "cores": 20}],
-                       {ann.VGPU_MODE: "hami-core"})),
-    ("core-2gpu-pct", _pod("core-2gpu-pct", [{"gpu": 2, "pct": 25}],
-                           {ann.VGPU_MODE: "hami-core"})),
-    ("core-spread", _pod("core-spread", [{"gpu": 1, "gpumem": 2000, "cores": 10}],
-                         {ann.VGPU_MODE: "hami-core", ann.NODE_POLICY: "spread",
-                          ann.GPU_POLICY: "binpack"})),
-    ("core-exclusive", _pod("core-exclusive", [{"gpu": 1, "cores": 100}],
-                            {ann.VGPU_MODE: "hami-core"})),
-    ("core-type-h100", _pod("core-type-h100", [{"gpu": 1, "gpumem": 8000}],
-                            {ann.USE_GPUTYPE: "H100"})),
+    (
+        "core-1gpu",
+        _pod("core-1gpu", [{"gpu": 1, "gpumem": 4000, "cores": 20}], {ann.VGPU_MODE: "hami-core"}),
+    ),
+    ("core-2gpu-pct", _pod("core-2gpu-pct", [{"gpu": 2, "pct": 25}], {ann.VGPU_MODE: "hami-core"})),
+    (
+        "core-spread",
+        _pod(
+            "core-spread",
+            [{"gpu": 1, "gpumem": 2000, "cores": 10}],
+            {ann.VGPU_MODE: "hami-core", ann.NODE_POLICY: "spread", ann.GPU_POLICY: "binpack"},
+        ),
+    ),
+    (
+        "core-exclusive",
+        _pod("core-exclusive", [{"gpu": 1, "cores": 100}], {ann.VGPU_MODE: "hami-core"}),
+    ),
+    (
+        "core-type-h100",
+        _pod("core-type-h100", [{"gpu": 1, "gpumem": 8000}], {ann.USE_GPUTYPE: "H100"}),
+    ),
     ("mig-1gpu", _pod("mig-1gpu", [{"gpu": 1, "gpumem": 9000}], {ann.VGPU_MODE: "mig"})),
     ("mig-2gpu", _pod("mig-2gpu", [{"gpu": 2, "gpumem": 4000}], {ann.VGPU_MODE: "mig"})),
     ("any-1gpu", _pod("any-1gpu", [{"gpu": 1, "gpumem": 8000}], {})),
-    ("any-2containers", _pod("any-2containers", [{"gpu": 1, "gpumem": 3000},
-                                                 {"gpu": 1, "gpumem": 3000}], {})),
+    (
+        "any-2containers",
+        _pod("any-2containers", [{"gpu": 1, "gpumem": 3000}, {"gpu": 1, "gpumem": 3000}], {}),
+    ),
 )
 
 
@@ -234,9 +259,14 @@ def _percentiles(ms: Sequence[float]) -> Percentiles:
         nan = float("nan")
         return Percentiles(samples=0, p50_ms=nan, p90_ms=nan, p99_ms=nan, mean_ms=nan, max_ms=nan)
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return Percentiles(samples=int(a.size), p50_ms=round(float(p50), 4),
-                       p90_ms=round(float(p90), 4), p99_ms=round(float(p99), 4),
-                       mean_ms=round(float(a.mean()), 4), max_ms=round(float(a.max()), 4))
+    return Percentiles(
+        samples=int(a.size),
+        p50_ms=round(float(p50), 4),
+        p90_ms=round(float(p90), 4),
+        p99_ms=round(float(p99), 4),
+        mean_ms=round(float(a.mean()), 4),
+        max_ms=round(float(a.max()), 4),
+    )
 
 
 def schedule_one(state: ClusterState, request: PodRequest) -> tuple[str | None, PodPlan | None]:
@@ -247,7 +277,9 @@ def schedule_one(state: ClusterState, request: PodRequest) -> tuple[str | None, 
 
 
 def _baseline_one(
-    config: DeviceConfig, nodes: Sequence[NodeSpec], pods: dict[str, PodAllocation],
+    config: DeviceConfig,
+    nodes: Sequence[NodeSpec],
+    pods: dict[str, PodAllocation],
     request: PodRequest,
 ) -> str | None:
     state = build_state(config, nodes, pods)
@@ -256,8 +288,13 @@ def _baseline_one(
 
 
 def run_config(
-    n_nodes: int, n_pods: int, samples: int, baseline_seconds: float, seed: int,
-    config: DeviceConfig, profile: cProfile.Profile | None = None,
+    n_nodes: int,
+    n_pods: int,
+    samples: int,
+    baseline_seconds: float,
+    seed: int,
+    config: DeviceConfig,
+    profile: cProfile.Profile | None = None,
 ) -> ConfigResult:
     rng = random.Random(seed)
     t0 = time.perf_counter()
@@ -387,8 +424,8 @@ def run(
         target={
             "nodes": TARGET_NODES,
             "p99_ms": TARGET_P99_MS,
-            "met": bool(at_target) and all(r["tessera"]["p99_ms"] <= TARGET_P99_MS
-                                           for r in at_target),
+            "met": bool(at_target)
+            and all(r["tessera"]["p99_ms"] <= TARGET_P99_MS for r in at_target),
         },
         results=results,
     )
@@ -439,14 +476,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=_ints, default=DEFAULT_NODES)
     parser.add_argument("--pods-existing", type=_ints, default=DEFAULT_PODS)
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES)
-    parser.add_argument("--baseline-seconds", type=float, default=DEFAULT_BASELINE_SECONDS,
-                        help="time budget of the baseline per cluster (at least 3 calls)")
+    parser.add_argument(
+        "--baseline-seconds",
+        type=float,
+        default=DEFAULT_BASELINE_SECONDS,
+        help="time budget of the baseline per cluster (at least 3 calls)",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--profile", action="store_true",
-                        help="cProfile Tessera's calls on the largest cluster; print the top")
-    parser.add_argument("--tune-malloc", action="store_true",
-                        help="keep freed heap memory (glibc mallopt), as a plugin server should")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile Tessera's calls on the largest cluster; print the top",
+    )
+    parser.add_argument(
+        "--tune-malloc",
+        action="store_true",
+        help="keep freed heap memory (glibc mallopt), as a plugin server should",
+    )
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error("--samples must be at least 1")
@@ -458,8 +505,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(r: ConfigResult) -> None:
         print(format_row(r), flush=True)
 
-    report = run(args.nodes, args.pods_existing, args.samples, args.baseline_seconds, args.seed,
-                 profile, progress, malloc)
+    report = run(
+        args.nodes,
+        args.pods_existing,
+        args.samples,
+        args.baseline_seconds,
+        args.seed,
+        profile,
+        progress,
+        malloc,
+    )
     print()
     print(format_table(report))
     args.json.parent.mkdir(parents=True, exist_ok=True)

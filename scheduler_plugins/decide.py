@@ -9,9 +9,9 @@ change of the state it was computed from.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntFlag
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,14 @@ from scheduler_plugins.node_register import Placement
 from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
 from scheduler_plugins.pods import ContainerRequest, PodAllocation, PodRequest
 from scheduler_plugins.policy import Policy
-from scheduler_plugins.state import MAX_SLICES, ClusterState, Geometry, Layout
+from scheduler_plugins.state import (
+    MAX_SLICES,
+    ClusterState,
+    Geometry,
+    GpuArrays,
+    Layout,
+    PathTable,
+)
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -118,18 +125,53 @@ class _ContainerPlan:
     gpu_score: F64  # [S, count] GPU score (usage including this request)
 
 
-@dataclass
 class Decision:
-    """Verdicts for every node (segments of the layout, plus GPU-less nodes)."""
+    """Verdicts for every node (segments of the layout, plus GPU-less nodes).
 
-    request: PodRequest
-    layout: Layout
-    feasible: B  # [S]
-    score: F64  # [S] node usage score before this pod
-    desirability: F64  # [S] higher is better (score signed by the node policy)
-    reasons: I64  # [S] Reason bits, meaningful where not feasible
-    _plans: list[_ContainerPlan]
-    _state: ClusterState
+    ``reasons`` (Reason bits per node, meaningful where not feasible) is computed on first
+    access: only explanations need it. Until then the decision reads the state's live GPU
+    columns; the state tells it before they change, and it keeps a copy of them.
+    """
+
+    def __init__(
+        self,
+        request: PodRequest,
+        layout: Layout,
+        feasible: B,
+        score: F64,
+        desirability: F64,
+        plans: list[_ContainerPlan],
+        state: ClusterState,
+        reasons: I64 | None = None,
+        uuid_ok: B | None = None,
+    ) -> None:
+        self.request = request
+        self.layout = layout
+        self.feasible = feasible  # [S]
+        self.score = score  # [S] node usage score before this pod
+        self.desirability = desirability  # [S] higher is better (score signed by node policy)
+        self._plans = plans
+        self._state = state
+        self._reasons = reasons
+        self._uuid_ok = uuid_ok
+        self._view: _View | None = None
+        if reasons is None:
+            self._view = _View(state.gpus, state.geometries, state.types)
+            state.watch(self)
+
+    @property
+    def reasons(self) -> I64:
+        """[S] Reason bits, meaningful where not feasible."""
+        if self._reasons is None:
+            assert self._view is not None
+            self._reasons = _reference(self._view, self.layout, self.request, self._uuid_ok)[1]
+            self._view = None
+        return self._reasons
+
+    def state_changing(self) -> None:
+        """The state is about to change: keep the columns the lazy reasons need."""
+        if self._reasons is None and self._view is not None:
+            self._view = self._view.frozen(self.layout.n_rows)
 
     # --- queries ---
 
@@ -141,9 +183,12 @@ class Decision:
         idx = np.flatnonzero(self.feasible)
         if idx.size == 0:
             return None
-        best = self.desirability[idx].max()
-        tied = idx[self.desirability[idx] >= best - 1e-9]
-        return min(str(self.layout.names[i]) for i in tied.tolist())
+        des = self.desirability[idx]
+        tied = idx[des >= des.max() - 1e-9]
+        rank = self.layout.name_rank
+        if rank is None or tied.size < 8:
+            return min(str(self.layout.names[i]) for i in tied.tolist())
+        return str(self.layout.names[int(tied[rank[tied].argmin()])])
 
     def node_index(self, node: str) -> int:
         return self.layout.seg_index.get(node, -1)
@@ -217,10 +262,37 @@ def _row_uuid(state: ClusterState, node: str, row: int) -> str:
     return entry.devices[row - entry.start].id
 
 
+class _StateLike(Protocol):
+    @property
+    def gpus(self) -> GpuArrays: ...
+    @property
+    def geometries(self) -> list[Geometry]: ...
+    @property
+    def types(self) -> list[str]: ...
+
+
+_COLUMNS = tuple(f.name for f in fields(GpuArrays) if f.name != "slice_use")
+
+
+class _View:
+    """The GPU columns a lazy computation reads: the state's live ones, or a frozen copy."""
+
+    def __init__(self, gpus: GpuArrays, geometries: list[Geometry], types: list[str]) -> None:
+        self.gpus = gpus
+        self.geometries = geometries
+        self.types = types
+
+    def frozen(self, n: int) -> _View:
+        g = self.gpus
+        copy_ = GpuArrays(**{name: getattr(g, name)[:n].copy() for name in _COLUMNS})
+        # Geometries and types are only ever appended to: a snapshot of the list is enough.
+        return _View(copy_, list(self.geometries), list(self.types))
+
+
 class _Usage:
     """Usage columns; copied on first write so the state is never touched by a decision."""
 
-    def __init__(self, state: ClusterState, n: int) -> None:
+    def __init__(self, state: _StateLike, n: int) -> None:
         g = state.gpus
         self.slots: F64 = g.used_slots[:n]
         self.mem: F64 = g.used_mem[:n]
@@ -274,11 +346,374 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
     layout = state.layout()
     n = layout.n_rows
     S = len(layout.names)
+    uuid_ok = _uuid_mask(state, request, n) if request.use_uuids or request.nouse_uuids else None
     if S == 0:  # no node registers a GPU
         empty = np.zeros(0)
         return Decision(
-            request, layout, np.zeros(0, np.bool_), empty, empty, np.zeros(0, np.int64), [], state
+            request,
+            layout,
+            np.zeros(0, np.bool_),
+            empty,
+            empty,
+            [],
+            state,
+            reasons=np.zeros(0, np.int64),
         )
+    g = state.gpus
+    allow_core = request.mode in (None, "hami-core")
+    allow_mig = request.mode in (None, "mig")
+    ok_types: B | None = None
+    if request.use_types or request.nouse_types:
+        ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
+    conflict = bool(g.conflict[:n].any())
+    paths: list[_Path] = []
+    if allow_core and layout.core is not None and layout.core.nodes.size:
+        paths.append(_Path(state, layout.core, ok_types, uuid_ok, conflict, mig=False))
+    if allow_mig and layout.mig is not None and layout.mig.nodes.size:
+        paths.append(_Path(state, layout.mig, ok_types, uuid_ok, conflict, mig=True))
+
+    feasible = np.ones(S, np.bool_)
+    plans: list[_ContainerPlan] = []
+    remaining = request.device_count
+    sign = request.gpu_policy.sign
+    for c in request.containers:
+        remaining -= c.count
+        rows = np.full((S, c.count), -1, np.int64)
+        rank = np.full((S, c.count), -1, np.int64)
+        start = np.full((S, c.count), -1, np.int64)
+        gscore = np.zeros((S, c.count))
+        ok_c = np.zeros(S, np.bool_)
+        desir_c = np.full(S, -np.inf)
+        for path in paths:
+            p_rank: I64 | None = None
+            p_start: I64 | None = None
+            if path.mig:
+                p_ok, p_desir, p_rows, p_rank, p_start, p_score = path.mig_path(state, c, sign)
+            else:
+                p_ok, p_desir, p_rows, p_score = path.core_path(c, sign)
+            nodes = path.table.nodes
+            oc = ok_c[nodes]
+            better = p_ok & (~oc | (p_desir > desir_c[nodes]))
+            ok_c[nodes] = oc | p_ok
+            bn = nodes[better]
+            desir_c[bn] = p_desir[better]
+            rows[bn] = p_rows[better]
+            gscore[bn] = p_score[better]
+            if p_rank is not None and p_start is not None:
+                rank[bn] = p_rank[better]
+                start[bn] = p_start[better]
+            else:
+                rank[bn] = -1
+                start[bn] = -1
+        feasible &= ok_c
+        plans.append(_ContainerPlan(c, rows, rank, start, gscore))
+        if remaining > 0:
+            _commit_fast(state, paths, c, rows, rank, start, ok_c)
+    if not request.containers:
+        feasible[:] = True
+    score = _node_scores(state, layout)
+    return Decision(
+        request=request,
+        layout=layout,
+        feasible=feasible,
+        score=score,
+        desirability=score * request.node_policy.sign,
+        plans=plans,
+        state=state,
+        uuid_ok=uuid_ok,
+    )
+
+
+def _score(
+    slots: F64,
+    mem: F64,
+    cores: F64,
+    u_slots: F64,
+    u_mem: F64,
+    u_cores: F64,
+    req_mem: F64 | float,
+    req_cores: F64 | float,
+) -> F64:
+    """The GPU score, as ``_gpu_score`` computes it (same operations, same order)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = ((1 + u_slots) / slots + (req_cores + u_cores) / cores + (req_mem + u_mem) / mem) * 10
+    return s if np.isfinite(s).all() else np.nan_to_num(s)
+
+
+def _pick(desir: F64, avail: B) -> tuple[I64, B]:
+    """Per table row: the first column with the maximum ``desir`` among ``avail`` columns
+    (``desir`` finite). Column-wise maxima: numpy's axis-1 reductions over 8 columns are slow."""
+    v = desir + np.take(_OK_OFFSET, avail.view(np.uint8))  # -inf where not available
+    top = v[:, 0].copy()
+    for j in range(1, v.shape[1]):
+        np.maximum(top, v[:, j], out=top)
+    found = top > -np.inf
+    top -= 1e-9
+    first = (v >= top[:, None]).argmax(axis=1)
+    return first, found
+
+
+class _Path:
+    """One path's (hami-core or MIG) GPUs for one decision: usage gathered into the path's
+    dense per-node table once; containers' planned devices are counted in it (never the
+    state's). The last evaluation (fit and GPU scores per position) is kept with the positions
+    changed since, so a container asking the same as the previous one is re-evaluated only
+    where the previous container's devices went."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        table: PathTable,
+        ok_types: B | None,
+        uuid_ok: B | None,
+        conflict: bool,
+        *,
+        mig: bool,
+    ) -> None:
+        g = state.gpus
+        self.table = table
+        self.mig = mig
+        ok = table.ok
+        if ok_types is not None:
+            ok = ok & ok_types[table.type_id]
+        if uuid_ok is not None:
+            ok = ok & uuid_ok[table.idx]
+        if conflict:
+            ok = ok & (g.conflict.take(table.idx) == 0)
+        self.ok = ok
+        idx = table.idx
+        self.slots = g.used_slots.take(idx)
+        self.mem = g.used_mem.take(idx)
+        self.cores = g.used_cores.take(idx)
+        self.mask = g.mig_mask.take(idx) if mig else np.zeros(0, np.int64)
+        self.w = idx.shape[1]
+        self.ar = np.arange(table.nodes.size) * self.w
+        self._cache: tuple[tuple[Any, ...], list[npt.NDArray[Any]]] | None = None
+        self._dirty: list[I64] = []
+
+    def _reuse(self, key: tuple[Any, ...]) -> tuple[list[npt.NDArray[Any]], I64] | None:
+        cache, dirty = self._cache, self._dirty
+        self._dirty = []
+        if cache is None or cache[0] != key:
+            return None
+        return cache[1], (np.concatenate(dirty) if dirty else np.zeros(0, np.int64))
+
+    # --- hami-core ---
+
+    def _core_eval(self, c: ContainerRequest, sign: float, pos: I64 | None) -> tuple[B, F64]:
+        t = self.table
+        slots, mem, cores = t.slots, t.mem, t.cores
+        ok, us, um, uc = self.ok, self.slots, self.mem, self.cores
+        if pos is not None:
+            slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+            ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+        req_mem: F64 | float = (
+            float(c.mem_mib) if c.mem_mib else np.floor(mem * c.mem_percent / 100)
+        )
+        fit = ok & (us < slots)
+        fit &= mem - um >= req_mem
+        fit &= cores - uc >= c.cores
+        fit &= uc < cores
+        if c.cores >= t.min_cores:  # else every card has more cores than asked: no exclusivity
+            fit &= (c.cores < cores) | (us == 0)
+        desir = _score(slots, mem, cores, us, um, uc, req_mem, float(c.cores))
+        desir *= sign
+        return fit, desir
+
+    def core_path(self, c: ContainerRequest, sign: float) -> tuple[B, F64, I64, F64]:
+        key = (c.mem_mib, c.mem_percent, c.cores, sign)
+        reuse = self._reuse(key)
+        if reuse is None:
+            fit, desir = self._core_eval(c, sign, None)
+        else:
+            (fit, desir), dpos = reuse
+            if dpos.size:
+                f2, d2 = self._core_eval(c, sign, dpos)
+                fit.ravel()[dpos] = f2
+                desir.ravel()[dpos] = d2
+        self._cache = (key, [fit, desir])
+        t = self.table
+        P = t.nodes.size
+        rows = np.full((P, c.count), -1, np.int64)
+        scores = np.zeros((P, c.count))
+        total = np.zeros(P)
+        found_all = np.ones(P, np.bool_)
+        avail = fit
+        flat_d = desir.ravel()
+        for k in range(c.count):
+            first, found = _pick(desir, avail)
+            found_all &= found
+            fpos = (self.ar + first)[found]
+            rows[found, k] = t.idx.ravel()[fpos]
+            d = flat_d[fpos]
+            total[found] += d
+            scores[found, k] = d * sign
+            if k + 1 < c.count:
+                if avail is fit:
+                    avail = fit.copy()
+                avail.ravel()[fpos] = False
+        return found_all, total, rows, scores
+
+    # --- MIG ---
+
+    def _min_rank(self, state: ClusterState, c: ContainerRequest) -> I64 | None:
+        """Per position, the smallest profile rank the request accepts (R: none); None if
+        no geometry has a profile large enough."""
+        t = self.table
+        minr = np.zeros(t.idx.size, np.int64)
+        any_fit = False
+        for gid, gpos in t.geoms:
+            geom = state.geometries[gid]
+            n_ranks = len(geom.profiles)
+            if c.mem_mib:
+                fits1 = (geom.memory >= c.mem_mib) & (geom.cores >= c.cores)
+                if fits1.any():
+                    any_fit = True
+                    minr[gpos] = int(fits1.argmax())
+                else:
+                    minr[gpos] = n_ranks
+                continue
+            req_mem = t.mem.ravel()[gpos] * c.mem_percent // 100
+            fits = (geom.memory[None, :] >= req_mem[:, None]) & (geom.cores[None, :] >= c.cores)
+            fit_any = fits.any(axis=1)
+            any_fit = any_fit or bool(fit_any.any())
+            minr[gpos] = np.where(fit_any, fits.argmax(axis=1), n_ranks)
+        return minr if any_fit else None
+
+    def _mig_eval(
+        self, minr: I64, sign: float, us: F64, um: F64, uc: F64, mask: I64, pos: I64 | None
+    ) -> list[npt.NDArray[Any]]:
+        t = self.table
+        assert t.lut is not None and t.lut_off is not None
+        assert t.lut_full is not None and t.lut_stride is not None
+        off, full, stride = t.lut_off, t.lut_full, t.lut_stride
+        slots, mem, cores, ok = t.slots, t.mem, t.cores, self.ok
+        shape: tuple[int, ...] = t.idx.shape
+        m = mask.ravel()
+        if pos is not None:
+            off, full, stride, minr, m = off[pos], full[pos], stride[pos], minr[pos], m[pos]
+            slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+            ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+            shape = pos.shape
+        li = m & full
+        li *= stride
+        li += off
+        li += minr
+        prof = t.lut[0].take(li).reshape(shape)
+        start = t.lut[1].take(li).reshape(shape)
+        pmem = t.lut[2].take(li).reshape(shape)
+        pcore = t.lut[3].take(li).reshape(shape)
+        fit = prof >= 0
+        fit &= us < slots
+        fit &= ok
+        desir = _score(slots, mem, cores, us, um, uc, pmem, pcore)
+        desir *= sign
+        return [prof, start, pmem, pcore, fit, desir]
+
+    def mig_path(
+        self, state: ClusterState, c: ContainerRequest, sign: float
+    ) -> tuple[B, F64, I64, I64, I64, F64]:
+        t = self.table
+        P = t.nodes.size
+        rows = np.full((P, c.count), -1, np.int64)
+        rank_out = np.full((P, c.count), -1, np.int64)
+        start_out = np.full((P, c.count), -1, np.int64)
+        scores = np.zeros((P, c.count))
+        total = np.zeros(P)
+        found_all = np.ones(P, np.bool_)
+        key = (c.mem_mib, c.mem_percent, c.cores, sign)
+        reuse = self._reuse(key)
+        if reuse is None:
+            minr = self._min_rank(state, c)
+            if minr is None:  # no profile large enough anywhere
+                self._cache = None
+                found_all[:] = False
+                return found_all, total, rows, rank_out, start_out, scores
+            ev = self._mig_eval(minr, sign, self.slots, self.mem, self.cores, self.mask, None)
+        else:
+            cached, dpos = reuse
+            minr, ev = cached[0], cached[1:]
+            if dpos.size:
+                part = self._mig_eval(minr, sign, self.slots, self.mem, self.cores, self.mask, dpos)
+                for a, b in zip(ev, part, strict=True):
+                    a.ravel()[dpos] = b
+        self._cache = (key, [minr, *ev])
+        us, um, uc, mask = self.slots, self.mem, self.cores, self.mask
+        if c.count > 1:  # this path's earlier devices count for its later ones only
+            us, um, uc, mask = us.copy(), um.copy(), uc.copy(), mask.copy()
+        for k in range(c.count):
+            prof, start, pmem, pcore, fit, desir = ev
+            first, found = _pick(desir, fit)
+            found_all &= found
+            fpos = (self.ar + first)[found]
+            picked = t.idx.ravel()[fpos]
+            rows[found, k] = picked
+            p_prof = prof.ravel()[fpos]
+            p_start = start.ravel()[fpos]
+            rank_out[found, k] = p_prof
+            start_out[found, k] = p_start
+            d = desir.ravel()[fpos]
+            total[found] += d
+            scores[found, k] = d * sign
+            if k + 1 < c.count and picked.size:
+                bits, _, _ = _mig_devices(state, picked, p_prof, p_start)
+                mask.ravel()[fpos] |= bits
+                us.ravel()[fpos] += 1
+                um.ravel()[fpos] += pmem.ravel()[fpos]
+                uc.ravel()[fpos] += pcore.ravel()[fpos]
+                part = self._mig_eval(minr, sign, us, um, uc, mask, fpos)
+                if k == 0:  # the cached evaluation stays as it was
+                    ev = [a.copy() for a in ev]
+                for a, b in zip(ev, part, strict=True):
+                    a.ravel()[fpos] = b
+        return found_all, total, rows, rank_out, start_out, scores
+
+
+def _commit_fast(
+    state: ClusterState,
+    paths: list[_Path],
+    c: ContainerRequest,
+    rows: I64,
+    rank: I64,
+    start: I64,
+    ok: B,
+) -> None:
+    """Count a container's planned devices (in the paths' tables) before the next container."""
+    g = state.gpus
+    segs = np.flatnonzero(ok)
+    by_kind = {p.mig: p for p in paths}
+    for k in range(c.count):
+        r, p = rows[segs, k], rank[segs, k]
+        mig = p >= 0
+        rm = r[mig]
+        if rm.size:
+            path = by_kind[True]
+            pos = path.table.pos[rm]
+            bits, mem, cores = _mig_devices(state, rm, p[mig], start[segs, k][mig])
+            path.mask.ravel()[pos] |= bits
+            path.slots.ravel()[pos] += 1
+            path.mem.ravel()[pos] += mem
+            path.cores.ravel()[pos] += cores
+            path._dirty.append(pos)
+        rc = r[~mig]
+        if rc.size:
+            path = by_kind[False]
+            pos = path.table.pos[rc]
+            path.slots.ravel()[pos] += 1
+            path.mem.ravel()[pos] += c.mem_mib if c.mem_mib else g.mem[rc] * c.mem_percent // 100
+            path.cores.ravel()[pos] += c.cores
+            path._dirty.append(pos)
+
+
+def _reference(
+    state: _StateLike, layout: Layout, request: PodRequest, uuid_ok_all: B | None
+) -> tuple[B, I64, list[_ContainerPlan]]:
+    """The straightforward evaluation over all rows, with failure reasons: (feasible, reasons,
+    plans). What ``decide`` computes faster (without reasons); reasons come from here."""
+    n = layout.n_rows
+    S = len(layout.names)
+    if S == 0:  # no node registers a GPU
+        return np.zeros(0, np.bool_), np.zeros(0, np.int64), []
     g = state.gpus
     live = g.node[:n] >= 0
     reasons_rows = np.zeros(n, np.int64)
@@ -295,7 +730,8 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
         reasons_rows |= _bits(~type_ok, Reason.TYPE)
         base &= type_ok
     if request.use_uuids or request.nouse_uuids:
-        uuid_ok = _uuid_mask(state, request, n)
+        assert uuid_ok_all is not None
+        uuid_ok = uuid_ok_all[:n]
         reasons_rows |= _bits(~uuid_ok, Reason.UUID)
         base &= uuid_ok
     is_mig = g.is_mig[:n]
@@ -359,17 +795,7 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
     node_reasons |= np.where(too_few & ~feasible, int(Reason.TOO_FEW_GPUS), 0)
     if not request.containers:
         feasible[:] = True
-    score = _node_scores(state, layout)
-    return Decision(
-        request=request,
-        layout=layout,
-        feasible=feasible,
-        score=score,
-        desirability=score * request.node_policy.sign,
-        reasons=node_reasons,
-        _plans=plans,
-        _state=state,
-    )
+    return feasible, node_reasons, plans
 
 
 def _type_ok(gpu_type: str, request: PodRequest) -> bool:
@@ -409,7 +835,7 @@ def _gpu_score(
 
 
 def _hami_core(
-    state: ClusterState,
+    state: _StateLike,
     layout: Layout,
     c: ContainerRequest,
     policy: Policy,
@@ -461,7 +887,7 @@ def _mark_segments(reasons_rows: I64, layout: Layout, segs: B, reason: Reason) -
 
 
 def _mig(
-    state: ClusterState,
+    state: _StateLike,
     layout: Layout,
     c: ContainerRequest,
     policy: Policy,
@@ -549,7 +975,7 @@ def _mig(
 
 
 def _add_mig(
-    state: ClusterState, usage: _Usage, rows: I64, prof: I64, start: I64, pmem: F64, pcore: F64
+    state: _StateLike, usage: _Usage, rows: I64, prof: I64, start: I64, pmem: F64, pcore: F64
 ) -> None:
     bits, _, _ = _mig_devices(state, rows, prof, start)
     usage.mask[rows] |= bits  # rows are distinct: one per node
@@ -559,7 +985,7 @@ def _add_mig(
 
 
 def _commit(
-    state: ClusterState, usage: _Usage, c: ContainerRequest, rows: I64, rank: I64, start: I64, ok: B
+    state: _StateLike, usage: _Usage, c: ContainerRequest, rows: I64, rank: I64, start: I64, ok: B
 ) -> None:
     """Count a container's planned devices before planning the next container."""
     u = usage.writable()
@@ -584,7 +1010,7 @@ def _commit(
             u.cores[rc] += c.cores
 
 
-def _mig_devices(state: ClusterState, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
+def _mig_devices(state: _StateLike, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
     """Occupancy bits, memory and cores of MIG devices (profile rank ``prof`` at ``start``)."""
     gids = state.gpus.geom[rows]
     size = np.zeros(rows.size, np.int64)

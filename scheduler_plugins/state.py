@@ -9,9 +9,10 @@ are; nothing is rebuilt per scheduling cycle.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -34,12 +35,42 @@ class Geometry:
     cores: npt.NDArray[np.int64]  # per rank
     slices: int
     sizes: npt.NDArray[np.int64]  # [rank, start] -> placement size, 0 where none starts
+    # The choice table flattened for one ``np.take`` per lookup: index ``mask * (R + 1) + rank``
+    # with R profiles; rank R is "no profile fits" (-1 / 0 everywhere).
+    lut_profile: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    lut_start: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    lut_mem: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    lut_cores: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
 
     def rank_of(self, name: str) -> int:
         for i, p in enumerate(self.profiles):
             if p.name == name:
                 return i
         return -1
+
+
+def _choice_luts(
+    table: ChoiceTable, memory: npt.NDArray[np.int64], cores: npt.NDArray[np.int64]
+) -> tuple[
+    npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]
+]:
+    n_masks, n_ranks = table.profile.shape
+    prof = np.full((n_masks, n_ranks + 1), -1, np.int64)
+    prof[:, :n_ranks] = table.profile
+    start = np.full((n_masks, n_ranks + 1), -1, np.int64)
+    start[:, :n_ranks] = table.start
+    got = prof >= 0
+    start = np.where(got, start, -1)
+    pmem = np.where(got, memory[np.maximum(prof, 0)], 0).astype(np.float64)
+    pcore = np.where(got, cores[np.maximum(prof, 0)], 0).astype(np.float64)
+    luts = (prof.ravel(), start.ravel(), pmem.ravel(), pcore.ravel())
+    for a in luts:
+        a.setflags(write=False)
+    return luts
+
+
+class ChangeWatcher(Protocol):
+    def state_changing(self) -> None: ...
 
 
 @dataclass
@@ -77,8 +108,16 @@ def _placement_sizes(profiles: tuple[MigProfile, ...]) -> npt.NDArray[np.int64]:
 # node's GPUs of capacity and usage that the node score needs (kept with every pod change, so a
 # decision reads them instead of summing 40k GPU rows).
 _NODE_COLUMNS = (
-    "node_cpu_alloc", "node_mem_alloc", "node_cpu_req", "node_mem_req",
-    "node_slots", "node_mem", "node_cores", "node_used_slots", "node_used_mem", "node_used_cores",
+    "node_cpu_alloc",
+    "node_mem_alloc",
+    "node_cpu_req",
+    "node_mem_req",
+    "node_slots",
+    "node_mem",
+    "node_cores",
+    "node_used_slots",
+    "node_used_mem",
+    "node_used_cores",
 )
 
 
@@ -148,6 +187,8 @@ class ClusterState:
         self._by_node: dict[str, set[str]] = {}
         self.layout_version = 0  # bumped whenever rows or node indices change
         self._layout: Layout | None = None
+        # Decisions that still read the live GPU columns (lazy reasons): told before any change.
+        self._watchers: weakref.WeakSet[ChangeWatcher] = weakref.WeakSet()
         # Per-node columns (by node idx), see _NODE_COLUMNS.
         self.node_cpu_alloc: npt.NDArray[np.float64] = _zeros(0)
         self.node_mem_alloc: npt.NDArray[np.float64] = _zeros(0)
@@ -159,6 +200,19 @@ class ClusterState:
         self.node_used_slots: npt.NDArray[np.float64] = _zeros(0)
         self.node_used_mem: npt.NDArray[np.float64] = _zeros(0)
         self.node_used_cores: npt.NDArray[np.float64] = _zeros(0)
+
+    # ----- change notification -----------------------------------------------------------
+
+    def watch(self, watcher: ChangeWatcher) -> None:
+        """Call ``watcher.state_changing()`` once, before the next change of the GPU columns."""
+        self._watchers.add(watcher)
+
+    def _changing(self) -> None:
+        if len(self._watchers):
+            watchers = list(self._watchers)
+            self._watchers.clear()
+            for w in watchers:
+                w.state_changing()
 
     # ----- nodes -------------------------------------------------------------------------
 
@@ -176,6 +230,7 @@ class ClusterState:
             self.node_cpu_alloc[entry.idx] = cpu_milli
             self.node_mem_alloc[entry.idx] = memory_bytes
             return
+        self._changing()
         if entry is not None:
             self._unapply_node_pods(name)
             self._release_rows(entry)
@@ -215,6 +270,7 @@ class ClusterState:
         entry = self.nodes.pop(name, None)
         if entry is None:
             return
+        self._changing()
         self._unapply_node_pods(name, entry)
         self._release_rows(entry)
         self.node_names[entry.idx] = ""
@@ -302,14 +358,21 @@ class ClusterState:
         if gid is None:
             table = build_choice_table(profiles, self.config.mig_placement_policy)
             gid = len(self.geometries)
+            memory = np.array([p.memory_mb for p in table.profiles], np.int64)
+            cores = np.array([p.core for p in table.profiles], np.int64)
+            lp, ls, lm, lc = _choice_luts(table, memory, cores)
             self.geometries.append(
                 Geometry(
                     profiles=table.profiles,
                     table=table,
-                    memory=np.array([p.memory_mb for p in table.profiles], np.int64),
-                    cores=np.array([p.core for p in table.profiles], np.int64),
+                    memory=memory,
+                    cores=cores,
                     slices=table.total_slices,
                     sizes=_placement_sizes(table.profiles),
+                    lut_profile=lp,
+                    lut_start=ls,
+                    lut_mem=lm,
+                    lut_cores=lc,
                 )
             )
             self._geom_ids[key] = gid
@@ -386,6 +449,7 @@ class ClusterState:
                 self._apply(entry, rec, -1)
 
     def _apply(self, entry: NodeEntry, rec: _Record, sign: int) -> None:
+        self._changing()
         g = self.gpus
         alloc = rec.alloc
         idx = entry.idx
@@ -467,10 +531,121 @@ class ClusterState:
             )
             out[f"{name}/gpu-sums"] = tuple(
                 float(getattr(self, col)[e.idx])
-                for col in ("node_used_slots", "node_used_mem", "node_used_cores",
-                            "node_slots", "node_mem", "node_cores")
+                for col in (
+                    "node_used_slots",
+                    "node_used_mem",
+                    "node_used_cores",
+                    "node_slots",
+                    "node_mem",
+                    "node_cores",
+                )
             )
         return out
+
+
+@dataclass(frozen=True, eq=False)
+class PathTable:
+    """One placement path's GPUs (hami-core, or MIG with a geometry) as a dense per-node table.
+
+    Row ``i`` is segment ``nodes[i]``; column ``j`` its j-th GPU; entries that are not a
+    healthy live GPU of the path (padding, other mode, unhealthy) have ``ok`` False and
+    capacities of 1 (never fit, always finite). Per-node reductions are axis-1 operations.
+    """
+
+    nodes: npt.NDArray[np.int64]  # [P] segment of each table row
+    idx: npt.NDArray[np.int64]  # [P, W] GPU row (0 where not ok)
+    ok: npt.NDArray[np.bool_]  # [P, W] healthy live GPU of this path
+    pos: npt.NDArray[np.int64]  # [n_rows] flat position in the table, -1 where not ok
+    slots: npt.NDArray[np.float64]  # [P, W] capacities
+    mem: npt.NDArray[np.float64]
+    cores: npt.NDArray[np.float64]
+    type_id: npt.NDArray[np.int32]  # [P, W]
+    geoms: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry, flat positions); MIG only
+    min_cores: float  # fewest cores of an ok GPU (inf if none)
+    # MIG: the geometries' choice tables (``Geometry.lut_*``) concatenated after one "nothing
+    # fits" entry; a position's answer is at ``lut_off + (mask & lut_full) * lut_stride + rank``
+    # (positions without a geometry: offset 0, stride 0, full 0, so rank 0 reads the sentinel).
+    lut_off: npt.NDArray[np.int64] | None = None  # [P * W]
+    lut_stride: npt.NDArray[np.int64] | None = None
+    lut_full: npt.NDArray[np.int64] | None = None
+    lut: (
+        tuple[
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.float64],
+            npt.NDArray[np.float64],
+        ]
+        | None
+    ) = None  # profile, start, memory, cores
+
+    @staticmethod
+    def of(
+        state: ClusterState,
+        n_rows: int,
+        gpu_rows_t: npt.NDArray[np.int64],
+        in_seg: npt.NDArray[np.bool_],
+        rows_ok: npt.NDArray[np.bool_],
+        geoms: bool,
+    ) -> PathTable:
+        g = state.gpus
+        ok_all = in_seg & rows_ok[gpu_rows_t] if n_rows else in_seg
+        nodes = np.flatnonzero(ok_all.any(axis=1))
+        ok = np.ascontiguousarray(ok_all[nodes])
+        idx = np.where(ok, gpu_rows_t[nodes], 0)
+        pos = np.full(n_rows, -1, np.int64)
+        pos[idx[ok]] = np.flatnonzero(ok)
+        one = np.float64(1)
+        cores = np.where(ok, g.cores[idx], one)
+        geom_pos: tuple[tuple[int, npt.NDArray[np.int64]], ...] = ()
+        if geoms and ok.size:
+            gflat = np.where(ok, g.geom[idx], -1).ravel()
+            geom_pos = tuple(
+                (int(gid), np.flatnonzero(gflat == gid)) for gid in np.unique(gflat[gflat >= 0])
+            )
+        luts: dict[str, Any] = {}
+        if geoms:
+            size = ok.size
+            off = np.zeros(size, np.int64)
+            stride = np.zeros(size, np.int64)
+            full = np.zeros(size, np.int64)
+            parts: list[list[npt.NDArray[Any]]] = [
+                [np.array([-1], np.int64)],
+                [np.array([-1], np.int64)],
+                [np.zeros(1)],
+                [np.zeros(1)],
+            ]
+            base = 1
+            for gid, gp in geom_pos:
+                geom = state.geometries[gid]
+                off[gp] = base
+                stride[gp] = len(geom.profiles) + 1
+                full[gp] = geom.table.full_mask
+                for part, arr in zip(
+                    parts,
+                    (geom.lut_profile, geom.lut_start, geom.lut_mem, geom.lut_cores),
+                    strict=True,
+                ):
+                    part.append(arr)
+                base += geom.lut_profile.size
+            luts = dict(
+                lut_off=off,
+                lut_stride=stride,
+                lut_full=full,
+                lut=tuple(np.concatenate(part) for part in parts),
+            )
+        return PathTable(
+            nodes=nodes,
+            idx=idx,
+            ok=ok,
+            pos=pos,
+            slots=np.where(ok, g.slots[idx], one),
+            mem=np.where(ok, g.mem[idx], one),
+            cores=cores,
+            type_id=np.where(ok, g.type_id[idx], 0).astype(np.int32),
+            geoms=geom_pos,
+            min_cores=float(cores[ok].min()) if ok.any() else float("inf"),
+            **luts,
+        )
 
 
 @dataclass(frozen=True)
@@ -495,6 +670,9 @@ class Layout:
     gpu_rows: npt.NDArray[np.int64]  # [W, S] row of the segment's j-th GPU; 0 where none
     gpu_rows_ok: npt.NDArray[np.bool_] | None  # [W, S] where gpu_rows is a GPU; None: all are
     gpu_count: npt.NDArray[np.int64]  # [S] GPUs per segment
+    name_rank: npt.NDArray[np.int64] | None = None  # [S] position of the name in sorted order
+    core: PathTable | None = None  # healthy live hami-core GPUs
+    mig: PathTable | None = None  # healthy live MIG GPUs with a geometry
 
     @staticmethod
     def of(state: ClusterState) -> Layout:
@@ -516,12 +694,21 @@ class Layout:
         j = np.arange(width, dtype=np.int64)[:, None]
         ok = j < counts[None, :]
         gpu_rows = np.where(ok, np.array([e.start for e in entries], np.int64)[None, :] + j, 0)
+        rows_t = np.ascontiguousarray(gpu_rows.T)
+        ok_t = np.ascontiguousarray(ok.T)
+        healthy = live & g.healthy[:n_rows]
+        is_mig = g.is_mig[:n_rows]
+        core = PathTable.of(state, n_rows, rows_t, ok_t, healthy & ~is_mig, geoms=False)
+        mig = PathTable.of(state, n_rows, rows_t, ok_t, healthy & mig_live, geoms=True)
+        names = tuple(e.name for e in entries)
+        name_rank = np.empty(len(names), np.int64)
+        name_rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
         return Layout(
             version=state.layout_version,
             n_rows=n_rows,
             starts=np.array([e.start for e in entries], np.int64),
             node_idx=np.array([e.idx for e in entries], np.int64),
-            names=tuple(e.name for e in entries),
+            names=names,
             seg_of_row=seg_of_row,
             gpu_less=tuple(sorted(e.name for e in state.nodes.values() if not e.devices)),
             geom_rows=geom_rows,
@@ -529,6 +716,9 @@ class Layout:
             gpu_rows=gpu_rows,
             gpu_rows_ok=None if ok.all() else ok,
             gpu_count=counts,
+            name_rank=name_rank,
+            core=core,
+            mig=mig,
         )
 
 

@@ -41,26 +41,45 @@ def registered_profiles(model: GpuModel, config: DeviceConfig = CONFIG) -> tuple
     return tuple(model.mig_profile(p) for p in model.profiles if p.name in allowed)
 
 
-def gpu(uuid: str, index: int, model: GpuModel, mode: str, *, count: int = 10,
-        health: bool = True, profiles: tuple[MigProfile, ...] | None = None) -> GpuDevice:
+def gpu(
+    uuid: str,
+    index: int,
+    model: GpuModel,
+    mode: str,
+    *,
+    count: int = 10,
+    health: bool = True,
+    profiles: tuple[MigProfile, ...] | None = None,
+) -> GpuDevice:
     if profiles is None:
         profiles = registered_profiles(model) if mode == "mig" else ()
     return GpuDevice(
-        id=uuid, index=index, count=count, devmem=model.memory_mib, devcore=100,
-        type=model.name, numa=0, health=health, mode="mig" if mode == "mig" else "hami-core",
+        id=uuid,
+        index=index,
+        count=count,
+        devmem=model.memory_mib,
+        devcore=100,
+        type=model.name,
+        numa=0,
+        health=health,
+        mode="mig" if mode == "mig" else "hami-core",
         mig_profiles=profiles,
     )
 
 
-def pod(name: str, containers: list[dict[str, int]], annotations: dict[str, str] | None = None
-        ) -> dict[str, Any]:
+def pod(
+    name: str, containers: list[dict[str, int]], annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A Pod dict; each container dict may hold gpu, gpumem, pct, cores."""
     specs = []
     for i, c in enumerate(containers):
         limits: dict[str, int] = {}
-        for field, resource in (("gpu", "nvidia.com/gpu"), ("gpumem", "nvidia.com/gpumem"),
-                                ("pct", "nvidia.com/gpumem-percentage"),
-                                ("cores", "nvidia.com/gpucores")):
+        for field, resource in (
+            ("gpu", "nvidia.com/gpu"),
+            ("gpumem", "nvidia.com/gpumem"),
+            ("pct", "nvidia.com/gpumem-percentage"),
+            ("cores", "nvidia.com/gpucores"),
+        ):
             if field in c:
                 limits[resource] = c[field]
         specs.append({"name": f"c{i}", "resources": {"limits": limits}})
@@ -85,21 +104,36 @@ def node_devices(draw: st.DrawFn) -> tuple[GpuDevice, ...]:
         if mode == "mig" and draw(st.booleans()):
             # NVML-resolved but not allowlisted profiles too: the scheduler must ignore them.
             profiles = tuple(model.mig_profile(p) for p in model.profiles)
-        out.append(gpu(uuid, i, model, mode, count=draw(st.integers(1, 10)),
-                       health=draw(st.booleans() | st.just(True)), profiles=profiles))
+        out.append(
+            gpu(
+                uuid,
+                i,
+                model,
+                mode,
+                count=draw(st.integers(1, 10)),
+                health=draw(st.booleans() | st.just(True)),
+                profiles=profiles,
+            )
+        )
     return tuple(out)
 
 
 @st.composite
 def mig_allocs(draw: st.DrawFn) -> tuple[MigAllocation, ...]:
-    slots = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), max_size=3,
-                          unique=True))
+    slots = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), max_size=3, unique=True))
     out = []
     for ci, di in slots:
         name = draw(st.sampled_from(PROFILE_NAMES))
         size = draw(st.integers(1, 8))
-        out.append(MigAllocation(ci, di, draw(st.sampled_from(UUIDS)), name,
-                                 Placement(draw(st.integers(0, 8 - size)), size)))
+        out.append(
+            MigAllocation(
+                ci,
+                di,
+                draw(st.sampled_from(UUIDS)),
+                name,
+                Placement(draw(st.integers(0, 8 - size)), size),
+            )
+        )
     return tuple(out)
 
 
@@ -108,11 +142,19 @@ def pod_allocations(draw: st.DrawFn, key: str | None = None) -> PodAllocation:
     return PodAllocation(
         key=key or draw(st.sampled_from(POD_KEYS)),
         node=draw(st.sampled_from((*NODE_NAMES, "gone"))),
-        devices=tuple(draw(st.lists(
-            st.builds(DeviceAlloc, st.sampled_from(UUIDS), st.integers(0, 50_000),
-                      st.integers(0, 100)),
-            max_size=3,
-        ))),
+        devices=tuple(
+            draw(
+                st.lists(
+                    st.builds(
+                        DeviceAlloc,
+                        st.sampled_from(UUIDS),
+                        st.integers(0, 50_000),
+                        st.integers(0, 100),
+                    ),
+                    max_size=3,
+                )
+            )
+        ),
         mig=draw(mig_allocs()),
         cpu_milli=draw(st.integers(0, 4000)),
         memory_bytes=draw(st.integers(0, 2**34)),
@@ -121,12 +163,22 @@ def pod_allocations(draw: st.DrawFn, key: str | None = None) -> PodAllocation:
 
 Op = tuple[Any, ...]
 ops = st.one_of(
-    st.tuples(st.just("node"), st.sampled_from(NODE_NAMES), node_devices(),
-              st.integers(0, 64_000), st.integers(0, 2**38)),
+    st.tuples(
+        st.just("node"),
+        st.sampled_from(NODE_NAMES),
+        node_devices(),
+        st.integers(0, 64_000),
+        st.integers(0, 2**38),
+    ),
     st.tuples(st.just("rmnode"), st.sampled_from(NODE_NAMES)),
     # Many re-registrations: enough dead rows that the state compacts or grows its arrays.
-    st.tuples(st.just("churn"), st.sampled_from(NODE_NAMES), node_devices(), node_devices(),
-              st.integers(20, 90)),
+    st.tuples(
+        st.just("churn"),
+        st.sampled_from(NODE_NAMES),
+        node_devices(),
+        node_devices(),
+        st.integers(20, 90),
+    ),
     st.tuples(st.just("pod"), st.sampled_from(POD_KEYS), st.none() | pod_allocations()),
     st.tuples(st.just("rmpod"), st.sampled_from(POD_KEYS)),
     st.tuples(st.just("assume"), pod_allocations()),
@@ -136,11 +188,13 @@ ops = st.one_of(
 # ----- incremental state == rebuilt state -------------------------------------------------------
 
 PROBES = (
-    pod("probe-core", [{"gpu": 1, "gpumem": 4000, "cores": 20}],
-        {ann.VGPU_MODE: "hami-core"}),
+    pod("probe-core", [{"gpu": 1, "gpumem": 4000, "cores": 20}], {ann.VGPU_MODE: "hami-core"}),
     pod("probe-mig", [{"gpu": 1, "gpumem": 9000}], {ann.VGPU_MODE: "mig"}),
-    pod("probe-any", [{"gpu": 2, "pct": 30}, {"gpu": 1, "gpumem": 1000}],
-        {ann.NODE_POLICY: "spread", ann.GPU_POLICY: "binpack"}),
+    pod(
+        "probe-any",
+        [{"gpu": 2, "pct": 30}, {"gpu": 1, "gpumem": 1000}],
+        {ann.NODE_POLICY: "spread", ann.GPU_POLICY: "binpack"},
+    ),
 )
 PROBE_REQUESTS = tuple(parse_request(p, CONFIG) for p in PROBES)
 
@@ -203,8 +257,11 @@ def test_incremental_state_equals_rebuilt(steps: list[Op]) -> None:
         for name, (devices, _, _) in nodes.items():  # node sums agree with their GPUs
             used = [snapshot[f"{name}/{d.id}"] for d in devices]
             assert snapshot[f"{name}/gpu-sums"] == (
-                sum(u[0] for u in used), sum(u[1] for u in used), sum(u[2] for u in used),
-                sum(d.count for d in devices), sum(d.devmem for d in devices),
+                sum(u[0] for u in used),
+                sum(u[1] for u in used),
+                sum(u[2] for u in used),
+                sum(d.count for d in devices),
+                sum(d.devmem for d in devices),
                 sum(d.devcore for d in devices),
             )
     for request in PROBE_REQUESTS:
@@ -308,8 +365,11 @@ def check_gpu_scores(state: ClusterState, allocs: list[PodAllocation], plan: Pod
     for container in plan.containers:
         for pd in container:
             dev, u = devices[pd.uuid], use.get(pd.uuid, GpuUse())
-            expected = ((u.slots + 1) / dev.count + (u.cores + pd.cores) / dev.devcore
-                        + (u.mem + pd.mem) / dev.devmem) * 10
+            expected = (
+                (u.slots + 1) / dev.count
+                + (u.cores + pd.cores) / dev.devcore
+                + (u.mem + pd.mem) / dev.devmem
+            ) * 10
             assert abs(pd.gpu_score - expected) < 1e-6, f"{plan.pod} {pd}: expected {expected}"
             add(pd.uuid, pd.mem, pd.cores)
 
@@ -369,15 +429,19 @@ def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: Po
             mem = c.mem_for(dev.devmem)
             if dev.mode == "hami-core" and request.mode in (None, "hami-core"):
                 fitting += (
-                    u.slots < dev.count and dev.devmem - u.mem >= mem
-                    and dev.devcore - u.cores >= c.cores and u.cores < dev.devcore
+                    u.slots < dev.count
+                    and dev.devmem - u.mem >= mem
+                    and dev.devcore - u.cores >= c.cores
+                    and u.cores < dev.devcore
                     and (c.cores < dev.devcore or u.slots == 0)
                 )
             elif dev.mode == "mig" and request.mode in (None, "mig") and c.count == 1:
                 allowed = set(CONFIG.allowed_profiles(dev.type))
                 mask = masks.get(dev.id, 0)
                 if u.slots < dev.count and any(
-                    p.name in allowed and p.memory_mb >= mem and p.core >= c.cores
+                    p.name in allowed
+                    and p.memory_mb >= mem
+                    and p.core >= c.cores
                     and any(pl.mask & mask == 0 for pl in p.placements)
                     for p in dev.mig_profiles
                 ):
@@ -443,8 +507,7 @@ def test_multi_device_mig_pod_counts_each_device_once() -> None:
 def test_mig_devices_take_vgpu_slots() -> None:
     state = ClusterState(CONFIG)
     state.upsert_node("n0", (gpu("GPU-0", 0, A100_40, "mig", count=2),))
-    request = parse_request(pod("p", [{"gpu": 3, "gpumem": 1000}], {ann.VGPU_MODE: "mig"}),
-                            CONFIG)
+    request = parse_request(pod("p", [{"gpu": 3, "gpumem": 1000}], {ann.VGPU_MODE: "mig"}), CONFIG)
     decision, plan = place(state, request)
     assert plan is None and decision.feasible_count() == 0
 
