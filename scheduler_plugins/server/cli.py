@@ -1,0 +1,85 @@
+"""``tessera plugin-server``: run the plugin server until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import structlog
+
+from scheduler_plugins.config import DeviceConfig, load_config_file
+from scheduler_plugins.kube.client import KubeClient
+
+log = structlog.get_logger("tessera.plugin_server")
+
+IN_CLUSTER = "in-cluster"
+
+
+def add_plugin_server_commands(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register ``plugin-server`` on an ``add_subparsers()`` object."""
+    p = subparsers.add_parser(
+        "plugin-server", help="the gRPC plugin server the kube-scheduler shim calls"
+    )
+    p.add_argument(
+        "--kubeconfig",
+        required=True,
+        metavar="PATH|in-cluster",
+        help=f"kubeconfig file, or {IN_CLUSTER!r} for the pod's service account",
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", metavar="PATH", help="serve on this Unix socket")
+    where.add_argument("--address", metavar="HOST:PORT", help="serve on TCP (development)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --address")
+    p.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
+    p.add_argument(
+        "--prebind-wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest PreBind waits for an ambiguous allocating pod on the node",
+    )
+    p.add_argument(
+        "--watch-timeout", type=int, default=60, metavar="SECONDS", help="seconds per watch request"
+    )
+    p.set_defaults(func=_cmd_plugin_server)
+    return p
+
+
+def _client(kubeconfig: str) -> KubeClient:
+    if kubeconfig == IN_CLUSTER:
+        return KubeClient.in_cluster()
+    return KubeClient.from_kubeconfig(Path(kubeconfig))
+
+
+def _cmd_plugin_server(args: argparse.Namespace) -> int:
+    from scheduler_plugins.server.app import PluginServer
+
+    config = load_config_file(args.config) if args.config else DeviceConfig()
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with (
+        _client(args.kubeconfig) as kube,
+        PluginServer(
+            kube,
+            config,
+            socket_path=Path(args.socket) if args.socket else None,
+            tcp_address=args.address,
+            allow_remote=args.allow_remote,
+            prebind_wait_s=args.prebind_wait,
+            watch_timeout_s=args.watch_timeout,
+        ) as server,
+    ):
+        while not done.wait(1.0):
+            pass
+        log.info("stopping", address=server.address)
+    return 0

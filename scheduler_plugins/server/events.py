@@ -1,0 +1,146 @@
+"""Kubernetes Events that say why a pending GPU pod cannot be placed.
+
+kube-scheduler writes the PodScheduled condition from the status the shim returns; this adds a
+Warning Event (reason ``TesseraUnschedulable``) with the per-node-class explanation, at most
+once per ``min_interval_s`` per pod unless the explanation changes. Posting happens on a
+worker thread so a slow apiserver never delays a scheduling cycle; when the queue is full the
+event is dropped (the next cycle records it again).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import structlog
+
+from scheduler_plugins.kube.errors import KubeError
+
+log = structlog.get_logger("tessera.plugin_server.events")
+
+REASON = "TesseraUnschedulable"
+COMPONENT = "tessera-plugin-server"
+_MAX_MESSAGE = 1024
+_MAX_PODS_REMEMBERED = 10_000
+
+
+class EventPoster(Protocol):
+    def post(self, path: str, body: object) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PodEventTarget:
+    namespace: str
+    name: str
+    uid: str
+
+
+class EventRecorder:
+    def __init__(
+        self,
+        kube: EventPoster,
+        *,
+        min_interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        queue_size: int = 256,
+    ) -> None:
+        self._kube = kube
+        self._min_interval_s = min_interval_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(queue_size)
+        self._last: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._instance = socket.gethostname()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="event-recorder", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.warning("event queue full at stop; pending events dropped")
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until every queued event was posted (or failed); for tests and shutdown."""
+        deadline = self._clock() + timeout_s
+        while self._queue.unfinished_tasks and self._clock() < deadline:
+            time.sleep(0.01)
+
+    def unschedulable(self, pod: PodEventTarget, message: str) -> bool:
+        """Queue a Warning Event for ``pod``; False when rate-limited or the queue is full."""
+        key = pod.uid or f"{pod.namespace}/{pod.name}"
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and last[1] == message and now - last[0] < self._min_interval_s:
+                return False
+            self._last[key] = (now, message)
+            self._last.move_to_end(key)
+            while len(self._last) > _MAX_PODS_REMEMBERED:
+                self._last.popitem(last=False)
+        try:
+            self._queue.put_nowait(self._event(pod, message))
+        except queue.Full:
+            log.warning("event queue full; event dropped", pod=f"{pod.namespace}/{pod.name}")
+            return False
+        return True
+
+    def _event(self, pod: PodEventTarget, message: str) -> dict[str, Any]:
+        ts = datetime.fromtimestamp(self._wall_clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if len(message) > _MAX_MESSAGE:
+            message = message[: _MAX_MESSAGE - 1] + "…"
+        return {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod.name}.", "namespace": pod.namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "namespace": pod.namespace,
+                "name": pod.name,
+                "uid": pod.uid,
+            },
+            "reason": REASON,
+            "message": message,
+            "type": "Warning",
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self._instance,
+            "firstTimestamp": ts,
+            "lastTimestamp": ts,
+            "count": 1,
+        }
+
+    def _run(self) -> None:
+        while True:
+            event = self._queue.get()
+            try:
+                if event is None:
+                    return
+                ns = event["metadata"]["namespace"]
+                self._kube.post(f"/api/v1/namespaces/{ns}/events", event)
+            except KubeError as e:
+                obj = event["involvedObject"] if event else {}
+                log.warning(
+                    "cannot record event",
+                    pod=f"{obj.get('namespace')}/{obj.get('name')}",
+                    error=str(e),
+                )
+            finally:
+                self._queue.task_done()

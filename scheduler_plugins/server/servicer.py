@@ -1,0 +1,390 @@
+"""The gRPC servicer of the plugin protocol: translates messages to core calls and back.
+
+PreFilter decides once per cycle (``decide``) and caches the Decision for Reserve while the
+cache's state is unchanged; Reserve counts the plan at once (``assume``); PreBind writes the
+reservation in one merge patch, first waiting (bounded) only while a pod the node agent
+could not tell apart from this one (``pod_matching.ambiguous``) is allocating on the node.
+Every handler answers a status code the shim can act on; none binds without a reservation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from api.plugin.v1 import plugin_pb2 as pb
+from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
+from scheduler_plugins.binding import bind_annotations
+from scheduler_plugins.decide import Decision, PodPlan, reason_names
+from scheduler_plugins.decide import decide as core_decide
+from scheduler_plugins.errors import InvalidInputError
+from scheduler_plugins.explain import explain
+from scheduler_plugins.kube.errors import KubeError, NotFoundError, TemporaryError
+from scheduler_plugins.pods import PodRequest, parse_request
+from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.server.events import EventRecorder, PodEventTarget
+
+log = structlog.get_logger("tessera.plugin_server")
+
+_MAX_CACHED = 1024
+_DEADLINE_MARGIN_S = 0.2
+_WAIT_SLICE_S = 0.5
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+class Patcher(Protocol):
+    """The part of ``KubeClient`` PreBind and Unreserve use."""
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any: ...
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _abort(code: grpc.StatusCode, message: str) -> NoReturn:
+    raise _Abort(code, message)
+
+
+@dataclass(frozen=True)
+class _Cached:
+    decision_id: int
+    decision: Decision
+
+
+@dataclass
+class _Reservation:
+    plan: PodPlan
+    patched: dict[str, str] | None = None  # what PreBind wrote, for Unreserve to take back
+
+
+def normalize_scores(desirability: npt.NDArray[np.float64]) -> list[int]:
+    """Higher is better, 0..100: the least desirable node 0, the most 100, all equal 100."""
+    if desirability.size == 0:
+        return []
+    lo, hi = float(desirability.min()), float(desirability.max())
+    if hi - lo < 1e-9:
+        return [100] * int(desirability.size)
+    return [int(v) for v in np.rint((desirability - lo) * 100.0 / (hi - lo)).tolist()]
+
+
+def _pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods/{name}"
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    """``ready`` gates every answer but Unreserve: before it the state is not rebuilt yet."""
+
+    def __init__(
+        self,
+        cache: ClusterCache,
+        kube: Patcher,
+        ready: threading.Event,
+        *,
+        events: EventRecorder | None = None,
+        prebind_wait_s: float = 30.0,
+        wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cache = cache
+        self._kube = kube
+        self._ready = ready
+        self._events = events
+        self._prebind_wait_s = prebind_wait_s
+        self._wall_clock = wall_clock
+        self._clock = clock
+        self._ids = itertools.count(1)
+        # All three are guarded by the cache lock.
+        self._decisions: OrderedDict[str, _Cached] = OrderedDict()
+        self._requests: OrderedDict[str, PodRequest] = OrderedDict()
+        self._reservations: dict[str, _Reservation] = {}
+        # Any change of the state can change any verdict: a cached Decision is exact only
+        # until then (dropping it also stops the state from copying columns for it).
+        cache.on_change(self._decisions.clear)
+
+    # ----- protocol ----------------------------------------------------------------------
+
+    def PreFilter(
+        self, request: pb.PreFilterRequest, context: grpc.ServicerContext
+    ) -> pb.PreFilterResponse:
+        return _handle(self._prefilter, request, context, "PreFilter")
+
+    def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
+        return _handle(self._reserve, request, context, "Reserve")
+
+    def Unreserve(
+        self, request: pb.UnreserveRequest, context: grpc.ServicerContext
+    ) -> pb.UnreserveResponse:
+        return _handle(self._unreserve, request, context, "Unreserve")
+
+    def PreBind(
+        self, request: pb.PreBindRequest, context: grpc.ServicerContext
+    ) -> pb.PreBindResponse:
+        return _handle(self._prebind, request, context, "PreBind")
+
+    # ----- handlers ----------------------------------------------------------------------
+
+    def _prefilter(
+        self, request: pb.PreFilterRequest, context: grpc.ServicerContext
+    ) -> pb.PreFilterResponse:
+        self._check_version(request.version)
+        self._check_ready()
+        invalid = pb.PreFilterResponse.INVALID
+        try:
+            pod = json.loads(request.pod_json)
+        except ValueError as e:
+            return pb.PreFilterResponse(code=invalid, message=f"pod_json is not JSON: {e}")
+        if not isinstance(pod, dict):
+            return pb.PreFilterResponse(code=invalid, message="pod_json is not a JSON object")
+        meta = pod.setdefault("metadata", {})
+        if not isinstance(meta, dict):
+            return pb.PreFilterResponse(code=invalid, message="pod metadata is not an object")
+        for field, value in (
+            ("namespace", request.pod.namespace),
+            ("name", request.pod.name),
+            ("uid", request.pod.uid),
+        ):
+            if value and not meta.get(field):
+                meta[field] = value
+        try:
+            req = parse_request(pod, self._cache.state.config)
+        except InvalidInputError as e:
+            return pb.PreFilterResponse(code=invalid, message=str(e))
+        if not req.wants_gpu:
+            return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
+        ident = req.uid or req.key
+        with self._cache.lock:
+            decision = core_decide(self._cache.state, req)
+            feasible = np.flatnonzero(decision.feasible)
+            names = [str(decision.layout.names[i]) for i in feasible.tolist()]
+            scores = normalize_scores(decision.desirability[feasible])
+            total = len(decision.layout.names) + len(decision.layout.gpu_less)
+            why = explain(decision, self._cache.state) if len(names) < total else ""
+            decision_id = next(self._ids)
+            _put(self._decisions, ident, _Cached(decision_id, decision))
+            _put(self._requests, ident, req)
+        if not names:
+            log.info("unschedulable", pod=req.key, reason=why)
+            if self._events is not None:
+                ns, _, name = req.key.partition("/")
+                self._events.unschedulable(PodEventTarget(ns, name, req.uid), why)
+            return pb.PreFilterResponse(
+                code=pb.PreFilterResponse.UNSCHEDULABLE,
+                message=why,
+                infeasible_message=why,
+                decision_id=decision_id,
+            )
+        return pb.PreFilterResponse(
+            code=pb.PreFilterResponse.OK,
+            feasible_nodes=names,
+            scores=scores,
+            infeasible_message=why,
+            decision_id=decision_id,
+        )
+
+    def _reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
+        self._check_version(request.version)
+        self._check_ready()
+        ident, key = _ident(request.pod)
+        node = request.node
+        with self._cache.lock:
+            cached = self._decisions.get(ident)
+            if cached is not None and cached.decision_id == request.decision_id:
+                decision = cached.decision
+            else:
+                req = self._requests.get(ident)
+                if req is None:
+                    _abort(
+                        grpc.StatusCode.ABORTED,
+                        f"no PreFilter decision for pod {key} (server restarted?); "
+                        "schedule it again",
+                    )
+                decision = core_decide(self._cache.state, req)
+            plan = decision.plan_for(node)
+            if plan is None:
+                _abort(grpc.StatusCode.ABORTED, _no_longer_fits(decision, key, node))
+            req = decision.request
+            self._cache.assume(plan.allocation(req.cpu_milli, req.memory_bytes))
+            self._reservations[ident] = _Reservation(plan)
+        log.info("reserved", pod=key, node=node)
+        return pb.ReserveResponse()
+
+    def _unreserve(
+        self, request: pb.UnreserveRequest, context: grpc.ServicerContext
+    ) -> pb.UnreserveResponse:
+        # Idempotent and answered before ready too: after a restart nothing is reserved.
+        self._check_version(request.version)
+        ident, key = _ident(request.pod)
+        with self._cache.lock:
+            res = self._reservations.pop(ident, None)
+            self._cache.forget(key)
+            self._cache.release_claim(key)
+        if res is not None and res.patched is not None:
+            # PreBind wrote the reservation but the bind failed: take it back, or the
+            # unbound pod would keep counting on that node (best effort; logged).
+            undo = {"metadata": {"annotations": dict.fromkeys(res.patched)}}
+            try:
+                self._kube.merge_patch(_pod_path(*key.split("/", 1)), undo)
+            except NotFoundError:
+                pass
+            except KubeError as e:
+                log.warning(
+                    "cannot remove bind annotations", pod=key, node=res.plan.node, error=str(e)
+                )
+        log.info("unreserved", pod=key, node=request.node or None)
+        return pb.UnreserveResponse()
+
+    def _prebind(
+        self, request: pb.PreBindRequest, context: grpc.ServicerContext
+    ) -> pb.PreBindResponse:
+        self._check_version(request.version)
+        self._check_ready()
+        ident, key = _ident(request.pod)
+        node = request.node
+        with self._cache.lock:
+            res = self._reservations.get(ident)
+        if res is None:
+            _abort(
+                grpc.StatusCode.ABORTED,
+                f"no reservation for pod {key}; it is never bound without one",
+            )
+        if res.plan.node != node:
+            _abort(
+                grpc.StatusCode.ABORTED,
+                f"pod {key} is reserved on node {res.plan.node}, not {node}",
+            )
+        annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
+        self._wait_and_claim(context, key, node, annotations)
+        body: dict[str, Any] = {"metadata": {"annotations": annotations}}
+        if request.pod.uid:
+            body["metadata"]["uid"] = request.pod.uid  # never annotate a recreated namesake
+        try:
+            self._kube.merge_patch(_pod_path(*key.split("/", 1)), body)
+        except TemporaryError as e:
+            self._cache.release_claim(key)
+            _abort(grpc.StatusCode.UNAVAILABLE, f"cannot write bind annotations of {key}: {e}")
+        except KubeError as e:
+            self._cache.release_claim(key)
+            _abort(grpc.StatusCode.INTERNAL, f"cannot write bind annotations of {key}: {e}")
+        with self._cache.lock:
+            res.patched = annotations
+        log.info("bind annotations written", pod=key, node=node)
+        return pb.PreBindResponse(annotations=annotations)
+
+    # ----- helpers -----------------------------------------------------------------------
+
+    def _wait_and_claim(
+        self, context: grpc.ServicerContext, key: str, node: str, annotations: dict[str, str]
+    ) -> None:
+        """Claim the node for ``annotations`` once no ambiguous pod is allocating there."""
+        start = self._clock()
+        budget = self._prebind_wait_s
+        remaining_rpc = context.time_remaining()
+        if remaining_rpc is not None:
+            budget = min(budget, remaining_rpc - _DEADLINE_MARGIN_S)
+        deadline = start + budget
+        logged = False
+        with self._cache.lock:
+            while True:
+                blockers = self._cache.blocking(node, key, annotations)
+                if not blockers:
+                    self._cache.claim(key, node, annotations)
+                    if logged:
+                        log.info(
+                            "done waiting",
+                            pod=key,
+                            node=node,
+                            waited_s=round(self._clock() - start, 3),
+                        )
+                    return
+                left = deadline - self._clock()
+                if left <= 0 or not context.is_active():
+                    _abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"pod {key}: waited {max(budget, 0):.1f}s for pod(s) "
+                        f"{', '.join(blockers)} to finish allocating on node {node} (the node "
+                        "agent could not tell them apart); retry later",
+                    )
+                if not logged:
+                    log.info(
+                        "waiting for ambiguous allocating pods",
+                        pod=key,
+                        node=node,
+                        blockers=blockers,
+                    )
+                    logged = True
+                self._cache.wait_changed(min(left, _WAIT_SLICE_S))
+
+    def _check_version(self, version: int) -> None:
+        if version != pb.PROTOCOL_VERSION_1:
+            _abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {version} is not supported; this plugin server speaks "
+                f"version {pb.PROTOCOL_VERSION_1} (upgrade the shim and server together)",
+            )
+
+    def _check_ready(self) -> None:
+        if not self._ready.is_set():
+            _abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "plugin server is rebuilding its cluster state from the API; retry shortly",
+            )
+
+
+def _ident(ref: pb.PodRef) -> tuple[str, str]:
+    if not ref.name:
+        _abort(grpc.StatusCode.INVALID_ARGUMENT, "pod.name is empty")
+    key = f"{ref.namespace or 'default'}/{ref.name}"
+    return ref.uid or key, key
+
+
+def _put(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > _MAX_CACHED:
+        cache.popitem(last=False)
+
+
+def _no_longer_fits(decision: Decision, key: str, node: str) -> str:
+    i = decision.node_index(node)
+    if i < 0:
+        return f"node {node} has no GPUs Tessera knows of for pod {key}"
+    why = "; ".join(reason_names(int(decision.reasons[i]))) or "does not fit"
+    return f"node {node} no longer fits pod {key}: {why}"
+
+
+def _handle(
+    fn: Callable[[Req, grpc.ServicerContext], Resp],
+    request: Req,
+    context: grpc.ServicerContext,
+    method: str,
+) -> Resp:
+    try:
+        return fn(request, context)
+    except _Abort as e:
+        context.abort(e.code, e.message)
+    except Exception as e:
+        log.exception("handler failed", method=method, error=repr(e))
+        context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {e!r}")

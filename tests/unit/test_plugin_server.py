@@ -1,0 +1,652 @@
+"""The plugin server's servicer through a real gRPC server on a Unix socket, cache fed directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from api.plugin.v1 import plugin_pb2 as pb
+from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
+from scheduler_plugins import annotations as ann
+from scheduler_plugins.config import DeviceConfig
+from scheduler_plugins.kube.errors import ServerError
+from scheduler_plugins.node_register import GpuDevice, encode
+from scheduler_plugins.server.app import PluginServer, ServerAddressError
+from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.server.events import REASON, EventRecorder
+from scheduler_plugins.server.servicer import SchedulerServicer, normalize_scores
+from scheduler_plugins.server.watch import Backoff
+from tests.builders import gpu, make_pod, mig_gpu
+
+V1 = pb.PROTOCOL_VERSION_1
+BIND_TIME = 1_700_000_000
+OK = pb.PreFilterResponse.OK
+
+
+# ----- fakes and builders ---------------------------------------------------------------------
+
+
+class FakeKube:
+    """Records patches and posts; ``fail_with`` makes the next patch raise."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.posts: list[tuple[str, Any]] = []
+        self.fail_with: Exception | None = None
+        self.lock = threading.Lock()
+
+    def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
+        with self.lock:
+            if self.fail_with is not None:
+                e, self.fail_with = self.fail_with, None
+                raise e
+            self.patches.append((path, json.loads(json.dumps(patch))))
+        return {}
+
+    def post(self, path: str, body: object) -> Any:
+        with self.lock:
+            self.posts.append((path, body))
+        return {}
+
+
+def node_obj(name: str, *devices: GpuDevice, register: str | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {
+                ann.NODE_REGISTER: register if register is not None else encode(devices)
+            },
+        },
+        "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}},
+    }
+
+
+def bound_pod(
+    name: str,
+    node: str,
+    devices: list[list[tuple[str, int, int]]],
+    *,
+    phase: str = "Running",
+    bind_phase: str = "success",
+    to_allocate: list[list[tuple[str, int, int]]] | None = None,
+) -> dict[str, Any]:
+    def enc(ds: list[list[tuple[str, int, int]]]) -> str:
+        return "".join("".join(f"{u},NVIDIA,{m},{c}:" for u, m, c in cs) + ";" for cs in ds)
+
+    pod = make_pod(name)
+    for cs in devices:
+        pod.gpu(len(cs))
+    pod.on(node, phase)
+    pod.annotate(ann.VGPU_NODE, node)
+    pod.annotate(ann.BIND_PHASE, bind_phase)
+    pod.annotate(ann.BIND_TIME, "1700000000")
+    pod.annotate(ann.DEVICES_ALLOCATED, enc(devices))
+    pod.annotate(ann.DEVICES_TO_ALLOCATE, enc(to_allocate if to_allocate is not None else devices))
+    return pod.build()
+
+
+def ref(name: str) -> pb.PodRef:
+    return pb.PodRef(namespace="default", name=name, uid=f"uid-{name}")
+
+
+def prefilter_req(pod: dict[str, Any]) -> pb.PreFilterRequest:
+    name = pod["metadata"]["name"]
+    pod["metadata"]["uid"] = f"uid-{name}"
+    return pb.PreFilterRequest(version=V1, pod=ref(name), pod_json=json.dumps(pod).encode())
+
+
+@dataclass
+class Harness:
+    cache: ClusterCache
+    kube: FakeKube
+    ready: threading.Event
+    stub: pb_grpc.SchedulerStub
+    events: EventRecorder
+    socket: Path
+
+    def prefilter(self, pod: dict[str, Any]) -> pb.PreFilterResponse:
+        return self.stub.PreFilter(prefilter_req(pod), timeout=10)  # type: ignore[no-any-return]
+
+    def reserve(self, name: str, node: str, decision_id: int = 0) -> None:
+        self.stub.Reserve(
+            pb.ReserveRequest(version=V1, pod=ref(name), node=node, decision_id=decision_id),
+            timeout=10,
+        )
+
+    def schedule(self, pod: dict[str, Any], node: str | None = None) -> str:
+        """PreFilter + Reserve on ``node`` (default: the highest-scored one)."""
+        r = self.prefilter(pod)
+        assert r.code == OK, r.message
+        if node is None:
+            node = max(zip(r.scores, r.feasible_nodes, strict=True))[1]
+        self.reserve(pod["metadata"]["name"], node, r.decision_id)
+        return node
+
+    def prebind(self, name: str, node: str, timeout: float = 10) -> pb.PreBindResponse:
+        return self.stub.PreBind(  # type: ignore[no-any-return]
+            pb.PreBindRequest(version=V1, pod=ref(name), node=node), timeout=timeout
+        )
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="tps-", dir="/tmp"))  # Unix socket paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _harness(short_dir: Path, prebind_wait_s: float, ready: bool) -> Iterator[Harness]:
+    cache = ClusterCache(DeviceConfig())
+    kube = FakeKube()
+    ev = threading.Event()
+    if ready:
+        ev.set()
+    events = EventRecorder(kube, min_interval_s=60)
+    events.start()
+    servicer = SchedulerServicer(
+        cache,
+        kube,
+        ev,
+        events=events,
+        prebind_wait_s=prebind_wait_s,
+        wall_clock=lambda: BIND_TIME,
+    )
+    executor = ThreadPoolExecutor(8)
+    server = grpc.server(executor)
+    pb_grpc.add_SchedulerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    sock = short_dir / "plugin.sock"
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    channel = grpc.insecure_channel(f"unix:{sock}")
+    try:
+        yield Harness(cache, kube, ev, pb_grpc.SchedulerStub(channel), events, sock)  # type: ignore[no-untyped-call]
+    finally:
+        channel.close()
+        server.stop(0).wait()
+        executor.shutdown(wait=True)
+        events.stop()
+
+
+@pytest.fixture
+def h(short_dir: Path) -> Iterator[Harness]:
+    yield from _harness(short_dir, prebind_wait_s=5.0, ready=True)
+
+
+@pytest.fixture
+def h_short_wait(short_dir: Path) -> Iterator[Harness]:
+    yield from _harness(short_dir, prebind_wait_s=0.5, ready=True)
+
+
+@pytest.fixture
+def h_not_ready(short_dir: Path) -> Iterator[Harness]:
+    yield from _harness(short_dir, prebind_wait_s=5.0, ready=False)
+
+
+def _code(e: pytest.ExceptionInfo[grpc.RpcError]) -> grpc.StatusCode:
+    return e.value.code()
+
+
+def _details(e: pytest.ExceptionInfo[grpc.RpcError]) -> str:
+    return str(e.value.details())
+
+
+def seed_cluster(cache: ClusterCache) -> None:
+    """Seed 004: node1 3/4 slots, 240/400 cores, 20480/32768 MiB; node2 2/4, 120, 8192."""
+    cache.apply_node(node_obj("node1", *(gpu(f"GPU-1{i}", index=i, count=1) for i in range(4))))
+    cache.apply_node(node_obj("node2", *(gpu(f"GPU-2{i}", index=i, count=1) for i in range(4))))
+    cache.apply_pod(
+        bound_pod(
+            "a", "node1", [[("GPU-10", 8192, 80), ("GPU-11", 8192, 80), ("GPU-12", 4096, 80)]]
+        )
+    )
+    cache.apply_pod(bound_pod("b", "node2", [[("GPU-20", 4096, 60), ("GPU-21", 4096, 60)]]))
+
+
+# ----- PreFilter ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "scores"),
+    [("binpack", {"node1": 100, "node2": 0}), ("spread", {"node1": 0, "node2": 100})],
+)
+def test_prefilter_scores_seed_nodes_by_node_policy(
+    h: Harness, policy: str, scores: dict[str, int]
+) -> None:
+    seed_cluster(h.cache)
+    pod = make_pod("p").gpu(1, mem=1000).annotate(ann.NODE_POLICY, policy).build()
+    r = h.prefilter(pod)
+    assert r.code == OK
+    assert dict(zip(r.feasible_nodes, r.scores, strict=True)) == scores
+    assert r.decision_id > 0
+    assert r.infeasible_message == ""
+
+
+def test_scores_normalize_min_to_0_max_to_100_and_equal_to_100() -> None:
+    import numpy as np
+
+    assert normalize_scores(np.array([-3.0, -1.0, 1.0])) == [0, 50, 100]
+    assert normalize_scores(np.array([2.0, 2.0])) == [100, 100]
+    assert normalize_scores(np.array([])) == []
+
+
+def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Harness) -> None:
+    h.cache.apply_node(node_obj("small", gpu("GPU-s", mem=4000)))
+    h.cache.apply_node(node_obj("big", gpu("GPU-b", mem=16000)))
+    r = h.prefilter(make_pod("p").gpu(1, mem=8000).build())
+    assert (r.code, list(r.feasible_nodes)) == (OK, ["big"])
+    assert "insufficient GPU memory" in r.infeasible_message
+    assert h.kube.posts == []
+
+    for _ in range(2):  # the second is rate-limited
+        r = h.prefilter(make_pod("q").gpu(1, mem=20000).build())
+        assert r.code == pb.PreFilterResponse.UNSCHEDULABLE
+    assert r.message.startswith("0/2 nodes are available")
+    assert "insufficient GPU memory" in r.message
+    h.events.flush()
+    assert len(h.kube.posts) == 1
+    path, event = h.kube.posts[0]
+    assert path == "/api/v1/namespaces/default/events"
+    assert event["reason"] == REASON and event["type"] == "Warning"
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": "default",
+        "name": "q",
+        "uid": "uid-q",
+    }
+    assert event["message"] == r.message
+
+
+def test_pod_without_gpu_request_is_skipped(h: Harness) -> None:
+    pod = make_pod("cpu").container(cpu="1").build()
+    assert h.prefilter(pod).code == pb.PreFilterResponse.SKIP
+
+
+@pytest.mark.parametrize(
+    ("pod_json", "problem"),
+    [
+        (json.dumps(make_pod("p").gpu(1, cores=150).build()).encode(), "gpucores = 150"),
+        (b"{not json", "not JSON"),
+        (b"[1]", "not a JSON object"),
+        (
+            json.dumps(make_pod("p").gpu(1).annotate(ann.VGPU_MODE, "vmx").build()).encode(),
+            "nvidia.com/vgpu-mode",
+        ),
+    ],
+)
+def test_invalid_request_is_answered_invalid_with_the_problem(
+    h: Harness, pod_json: bytes, problem: str
+) -> None:
+    r = h.stub.PreFilter(pb.PreFilterRequest(version=V1, pod=ref("p"), pod_json=pod_json))
+    assert r.code == pb.PreFilterResponse.INVALID
+    assert problem in r.message
+
+
+@pytest.mark.parametrize("method", ["PreFilter", "Reserve", "Unreserve", "PreBind"])
+def test_other_protocol_version_is_refused(h: Harness, method: str) -> None:
+    requests = {
+        "PreFilter": pb.PreFilterRequest(pod=ref("p"), pod_json=b"{}"),
+        "Reserve": pb.ReserveRequest(pod=ref("p"), node="n"),
+        "Unreserve": pb.UnreserveRequest(pod=ref("p"), node="n"),
+        "PreBind": pb.PreBindRequest(pod=ref("p"), node="n"),
+    }
+    with pytest.raises(grpc.RpcError) as e:
+        getattr(h.stub, method)(requests[method], timeout=10)
+    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version 0" in _details(e)
+
+
+def test_unavailable_until_state_is_rebuilt(h_not_ready: Harness) -> None:
+    h = h_not_ready
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    with pytest.raises(grpc.RpcError) as e:
+        h.prefilter(make_pod("p").gpu(1).build())
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE
+    assert "rebuilding" in _details(e)
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p", "n")
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))  # idempotent: OK
+    h.ready.set()
+    assert h.prefilter(make_pod("p").gpu(1).build()).code == OK
+
+
+# ----- Reserve / Unreserve / PreBind ----------------------------------------------------------
+
+MIG_EXPECTED = {
+    ann.VGPU_NODE: "n",
+    ann.BIND_TIME: str(BIND_TIME),
+    ann.BIND_PHASE: "allocating",
+    ann.DEVICES_ALLOCATED: "GPU-m,NVIDIA,9984,29:GPU-m,NVIDIA,9984,29:;",
+    ann.DEVICES_TO_ALLOCATE: "GPU-m,NVIDIA,9984,29:GPU-m,NVIDIA,9984,29:;",
+}
+
+
+def test_mig_reserve_then_prebind_writes_exact_annotations_in_one_patch(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", mig_gpu("GPU-m")))
+    empty = h.cache.state.usage_snapshot()
+    pod = make_pod("p").gpu(2, mem=8000).mode("mig").build()
+    assert h.schedule(pod) == "n"
+    assert h.cache.state.is_assumed("default/p")
+    assert h.cache.state.usage_snapshot() != empty
+
+    r = h.prebind("p", "n")
+    mig = json.loads(r.annotations[ann.MIG_ALLOCATIONS])
+    assert [(m["containerIndex"], m["deviceIndex"], m["gpuUUID"], m["profile"]) for m in mig] == [
+        (0, 0, "GPU-m", "2g.10gb"),
+        (0, 1, "GPU-m", "2g.10gb"),
+    ]
+    (a, b) = sorted((m["placement"]["start"], m["placement"]["size"]) for m in mig)
+    assert a[1] == b[1] == 2 and a[0] + 2 <= b[0]
+    assert {k: v for k, v in r.annotations.items() if k != ann.MIG_ALLOCATIONS} == MIG_EXPECTED
+    assert h.kube.patches == [
+        (
+            "/api/v1/namespaces/default/pods/p",
+            {"metadata": {"annotations": dict(r.annotations), "uid": "uid-p"}},
+        )
+    ]
+
+
+def test_reservation_is_replaced_by_the_pods_own_record_when_the_watch_shows_it(
+    h: Harness,
+) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    assumed = h.cache.state.usage_snapshot()
+    # An event of the still-pending pod (no annotations yet) keeps the reservation.
+    h.cache.apply_pod({**pod, "status": {"phase": "Pending"}})
+    assert h.cache.state.is_assumed("default/p")
+    written = dict(h.prebind("p", "n").annotations)
+    seen = json.loads(json.dumps(pod))
+    seen["metadata"]["annotations"].update(written)
+    h.cache.apply_pod(seen)
+    assert not h.cache.state.is_assumed("default/p")
+    assert h.cache.state.usage_snapshot() == assumed
+
+
+def test_unreserve_releases_and_is_idempotent(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    empty = h.cache.state.usage_snapshot()
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    assert h.cache.state.usage_snapshot() != empty
+    for _ in range(2):
+        h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+        assert h.cache.state.usage_snapshot() == empty
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("never"), node="n"))
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p", "n")
+    assert _code(e) == grpc.StatusCode.ABORTED  # never bound without a reservation
+
+
+def test_unreserve_after_prebind_takes_the_annotations_back(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    written = h.prebind("p", "n").annotations
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    path, undo = h.kube.patches[-1]
+    assert path == "/api/v1/namespaces/default/pods/p"
+    assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
+
+
+def test_reserve_on_a_node_that_no_longer_fits_is_aborted(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1)))
+    r = h.prefilter(make_pod("p").gpu(1).build())
+    assert r.code == OK
+    h.cache.apply_pod(bound_pod("other", "n", [[("GPU-1", 8192, 100)]]))
+    with pytest.raises(grpc.RpcError) as e:
+        h.reserve("p", "n", r.decision_id)
+    assert _code(e) == grpc.StatusCode.ABORTED
+    assert "no longer fits" in _details(e) and "no free vGPU slot" in _details(e)
+
+
+def test_reserve_with_a_stale_decision_decides_again(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    r = h.prefilter(make_pod("p").gpu(1, mem=8192).build())
+    h.cache.apply_pod(bound_pod("other", "n", [[("GPU-1", 8192, 0)]]))
+    h.reserve("p", "n", r.decision_id)
+    alloc = h.cache.state.allocation("default/p")
+    assert alloc is not None and [d.uuid for d in alloc.devices] == ["GPU-2"]
+
+
+def test_reserve_without_prefilter_is_aborted(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    with pytest.raises(grpc.RpcError) as e:
+        h.reserve("ghost", "n", 7)
+    assert _code(e) == grpc.StatusCode.ABORTED
+
+
+def test_prebind_patch_failure_is_unavailable_and_releases_the_claim(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1).build(), "n")
+    h.kube.fail_with = ServerError("PATCH", "/p", 503, "ServiceUnavailable", "busy")
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p", "n")
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE
+    assert h.cache.allocating("n") == {}
+    assert h.prebind("p", "n").annotations[ann.VGPU_NODE] == "n"  # the retry goes through
+
+
+# ----- PreBind serialization of ambiguous pods ------------------------------------------------
+
+
+def _allocating(name: str, node: str, devices: list[tuple[str, int, int]]) -> dict[str, Any]:
+    return bound_pod(name, node, [devices], phase="Pending", bind_phase="allocating")
+
+
+def test_prebind_waits_for_an_ambiguous_allocating_pod_then_proceeds(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    q = _allocating("q", "n", [("GPU-1", 1000, 0)])
+    h.cache.apply_pod(q)
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    call = h.stub.PreBind.future(pb.PreBindRequest(version=V1, pod=ref("p"), node="n"), timeout=10)
+    time.sleep(0.4)
+    assert not call.done() and h.kube.patches == []
+    q["metadata"]["annotations"][ann.BIND_PHASE] = "success"
+    q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
+    h.cache.apply_pod(q)
+    assert call.result().annotations[ann.BIND_PHASE] == "allocating"
+    assert [p for p, _ in h.kube.patches] == ["/api/v1/namespaces/default/pods/p"]
+
+
+def test_prebind_gives_up_after_its_deadline_naming_the_blocker(h_short_wait: Harness) -> None:
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    h.cache.apply_pod(_allocating("q", "n", [("GPU-2", 1000, 0)]))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p", "n")
+    assert 0.4 < time.monotonic() - t0 < 5
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE
+    assert "default/q" in _details(e)
+    assert h.kube.patches == []
+
+
+def test_pods_the_node_agent_can_tell_apart_bind_without_waiting(h_short_wait: Harness) -> None:
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", *(gpu(f"GPU-{i}", index=i) for i in range(4))))
+    h.cache.apply_pod(_allocating("q", "n", [("GPU-0", 1000, 0), ("GPU-1", 1000, 0)]))
+    h.schedule(make_pod("one").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("three").gpu(3, mem=1000).build(), "n")
+    t0 = time.monotonic()
+    h.prebind("one", "n")
+    h.prebind("three", "n")  # "one" is claimed allocating but asks another count
+    assert time.monotonic() - t0 < 0.4
+    assert len(h.kube.patches) == 2
+
+
+def test_own_claim_serializes_ambiguous_prebinds_before_the_watch_catches_up(
+    h_short_wait: Harness,
+) -> None:
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    h.prebind("p1", "n")
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p2", "n")
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "default/p1" in _details(e)
+
+
+# ----- cache ----------------------------------------------------------------------------------
+
+
+def test_malformed_node_register_counts_the_node_gpu_less() -> None:
+    cache = ClusterCache(DeviceConfig())
+    cache.apply_node(node_obj("n", register="[{not json"))
+    assert len(cache.state.nodes["n"].devices) == 0
+    cache.apply_node(node_obj("n", gpu("GPU-1")))
+    devices: tuple[GpuDevice, ...] = cache.state.nodes["n"].devices
+    assert [d.id for d in devices] == ["GPU-1"]
+
+
+def test_malformed_pod_allocation_keeps_the_previous_record() -> None:
+    cache = ClusterCache(DeviceConfig())
+    cache.apply_node(node_obj("n", gpu("GPU-1")))
+    pod = bound_pod("p", "n", [[("GPU-1", 1000, 10)]])
+    cache.apply_pod(pod)
+    before = cache.state.usage_snapshot()
+    pod["metadata"]["annotations"][ann.DEVICES_ALLOCATED] = "garbage"
+    cache.apply_pod(pod)
+    assert cache.state.usage_snapshot() == before
+    pod["status"]["phase"] = "Succeeded"
+    cache.apply_pod(pod)
+    assert cache.state.allocation("default/p") is None
+
+
+def test_unchanged_events_do_not_invalidate_decisions() -> None:
+    cache = ClusterCache(DeviceConfig())
+    cache.apply_node(node_obj("n", gpu("GPU-1")))
+    pod = bound_pod("p", "n", [[("GPU-1", 1000, 10)]])
+    cache.apply_pod(pod)
+    gen = cache.generation
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    cache.apply_pod(pod)
+    cache.apply_node(node_obj("n", gpu("GPU-1")))
+    assert cache.generation == gen
+    cache.delete_pod(pod)
+    assert cache.generation == gen + 1 and cache.state.allocation("default/p") is None
+
+
+# ----- the served app -------------------------------------------------------------------------
+
+
+class IdleWatch:
+    """A watch stream with no events that ends when closed (or after its timeout)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._closed = threading.Event()
+        self._timeout_s = timeout_s
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._closed.wait(self._timeout_s)
+        return iter(())
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+class ListingKube(FakeKube):
+    def __init__(self, nodes: list[dict[str, Any]], gate: threading.Event) -> None:
+        super().__init__()
+        self.nodes = nodes
+        self.gate = gate
+
+    def list(self, path: str) -> dict[str, Any]:
+        self.gate.wait(10)
+        items = self.nodes if path.endswith("/nodes") else []
+        return {"metadata": {"resourceVersion": "5"}, "items": items}
+
+    def watch(
+        self, path: str, resource_version: str | None = None, *, timeout_s: int = 60
+    ) -> IdleWatch:
+        return IdleWatch(timeout_s)
+
+
+def test_plugin_server_socket_permissions_readiness_and_clean_stop(short_dir: Path) -> None:
+    threads_before = set(threading.enumerate())
+    sock_dir = short_dir / "run"
+    sock = sock_dir / "tessera.sock"
+    gate = threading.Event()
+    kube = ListingKube([node_obj("n", gpu("GPU-1"))], gate)
+    server = PluginServer(
+        kube,
+        DeviceConfig(),
+        socket_path=sock,
+        backoff=Backoff(0.01, 0.05),
+    )
+    server.start()
+    try:
+        assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o600
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SchedulerStub(ch)  # type: ignore[no-untyped-call]
+            req = prefilter_req(make_pod("p").gpu(1).build())
+            with pytest.raises(grpc.RpcError) as e:
+                stub.PreFilter(req, timeout=10)
+            assert _code(e) == grpc.StatusCode.UNAVAILABLE
+            gate.set()
+            assert server.wait_ready(10)
+            r = stub.PreFilter(req, timeout=10)
+            assert (r.code, list(r.feasible_nodes)) == (OK, ["n"])
+    finally:
+        server.stop()
+    assert not sock.exists()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) - threads_before == set()
+
+
+def test_stale_socket_is_replaced_and_other_files_are_refused(short_dir: Path) -> None:
+    import socket as pysocket
+
+    sock = short_dir / "s.sock"
+    s = pysocket.socket(pysocket.AF_UNIX)
+    s.bind(str(sock))
+    s.close()  # bound, never listening: what a crashed server leaves
+    gate = threading.Event()
+    gate.set()
+    server = PluginServer(
+        ListingKube([], gate),
+        DeviceConfig(),
+        socket_path=sock,
+    )
+    with server:
+        assert server.wait_ready(10)
+    other = short_dir / "file"
+    other.write_text("x")
+    with pytest.raises(ServerAddressError, match="not a socket"):
+        PluginServer(
+            ListingKube([], gate),
+            DeviceConfig(),
+            socket_path=other,
+        ).start()
+
+
+def test_tcp_address_must_be_loopback_unless_allowed() -> None:
+    gate = threading.Event()
+    with pytest.raises(ServerAddressError, match="not loopback"):
+        PluginServer(
+            ListingKube([], gate),
+            DeviceConfig(),
+            tcp_address="0.0.0.0:0",
+        )
+    with pytest.raises(ServerAddressError, match="exactly one"):
+        PluginServer(ListingKube([], gate), DeviceConfig())
