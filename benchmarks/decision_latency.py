@@ -15,10 +15,11 @@ same state, and must pick the same node as Tessera on every call it makes.
 
 Target (issue): p99 <= 5 ms per pod at 5000 nodes.
 
-The plugin server's allocator matters: with glibc's defaults every decision at 5000 nodes takes
-hundreds of minor page faults (numpy temporaries of 40k rows; the heap top is trimmed and regrown
-over and over). ``--tune-malloc`` sets what a long-running server should (``mallopt``
-M_TOP_PAD/M_TRIM_THRESHOLD, or the MALLOC_TOP_PAD_/MALLOC_TRIM_THRESHOLD_ environment variables);
+The plugin server's allocator matters: freed numpy arrays of a few hundred KiB go back to the
+kernel under glibc's defaults and are faulted in again by the next call. Decisions reuse work
+arrays kept with the layout's tables, so what is left is mostly the arrays a Decision keeps.
+``--tune-malloc`` sets what a long-running server should (``tune_allocator`` in
+``scheduler_plugins.malloc``: ``mallopt`` M_TRIM_THRESHOLD/M_TOP_PAD/M_MMAP_THRESHOLD);
 ``page_faults_per_call`` in the JSON shows the effect.
 
 Run: ``python -m benchmarks.decision_latency [--nodes 100,1000,5000] [--pods-existing 0,50000]
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import ctypes
 import gc
 import io
 import json
@@ -51,6 +51,7 @@ from node_agent.gpu_catalog import GpuModel, find_model
 from scheduler_plugins import annotations as ann
 from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.decide import PodPlan, decide
+from scheduler_plugins.malloc import tune_allocator
 from scheduler_plugins.mig_policy import ChoiceTable, build_choice_table
 from scheduler_plugins.node_register import GpuDevice, MigProfile
 from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
@@ -373,17 +374,9 @@ def run_config(
 
 
 def tune_malloc() -> str:
-    """Keep freed heap memory instead of handing it back to the kernel after every large numpy
-    temporary (glibc's defaults trim the heap top over and over: hundreds of page faults per
-    decision at 5000 nodes). What a long-running plugin server should do at start."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return "default (no glibc mallopt)"
-    m_trim_threshold, m_top_pad = -1, -2
-    if libc.mallopt(m_top_pad, 64 << 20) == 1 and libc.mallopt(m_trim_threshold, 256 << 20) == 1:
-        return "tuned (M_TOP_PAD 64 MiB, M_TRIM_THRESHOLD 256 MiB)"
-    return "default (mallopt refused)"
+    """What a long-running plugin server does at start (``tune_allocator``): keep freed heap
+    memory instead of handing it back to the kernel after every large numpy array."""
+    return tune_allocator()
 
 
 def _machine() -> dict[str, Any]:

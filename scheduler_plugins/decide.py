@@ -28,6 +28,7 @@ from scheduler_plugins.state import (
     GpuArrays,
     Layout,
     PathTable,
+    Scratch,
 )
 
 F64 = npt.NDArray[np.float64]
@@ -344,6 +345,16 @@ def _seg_max_first(values: F64, ok: B, layout: Layout) -> tuple[I64, B]:
 
 def decide(state: ClusterState, request: PodRequest) -> Decision:
     layout = state.layout()
+    # The layout's work arrays (and its tables'), unless another decision holds them now.
+    owned = layout.scratch.acquire()
+    try:
+        return _decide(state, request, layout, owned)
+    finally:
+        if owned:
+            layout.scratch.release()
+
+
+def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
     n = layout.n_rows
     S = len(layout.names)
     uuid_ok = _uuid_mask(state, request, n) if request.use_uuids or request.nouse_uuids else None
@@ -367,23 +378,27 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
         ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
     conflict = bool(g.conflict[:n].any())
     paths: list[_Path] = []
-    if allow_core and layout.core is not None and layout.core.nodes.size:
-        paths.append(_Path(state, layout.core, ok_types, uuid_ok, conflict, mig=False))
-    if allow_mig and layout.mig is not None and layout.mig.nodes.size:
-        paths.append(_Path(state, layout.mig, ok_types, uuid_ok, conflict, mig=True))
+    for allow, table, mig in ((allow_core, layout.core, False), (allow_mig, layout.mig, True)):
+        if allow and table is not None and table.nodes.size:
+            scratch = table.scratch if owned else Scratch()
+            paths.append(_Path(state, table, ok_types, uuid_ok, conflict, mig=mig, scratch=scratch))
 
+    work = layout.scratch if owned else Scratch()
+    # What the Decision keeps is allocated here, fresh; work arrays never reach it.
     feasible = np.ones(S, np.bool_)
     plans: list[_ContainerPlan] = []
     remaining = request.device_count
     sign = request.gpu_policy.sign
+    ok_c = work.get("ok_c", (S,), np.bool_)
+    desir_c = work.get("desir_c", (S,), np.float64)
     for c in request.containers:
         remaining -= c.count
         rows = np.full((S, c.count), -1, np.int64)
         rank = np.full((S, c.count), -1, np.int64)
         start = np.full((S, c.count), -1, np.int64)
         gscore = np.zeros((S, c.count))
-        ok_c = np.zeros(S, np.bool_)
-        desir_c = np.full(S, -np.inf)
+        ok_c.fill(False)
+        desir_c.fill(-np.inf)
         for path in paths:
             p_rank: I64 | None = None
             p_start: I64 | None = None
@@ -433,23 +448,49 @@ def _score(
     u_cores: F64,
     req_mem: F64 | float,
     req_cores: F64 | float,
+    work: tuple[F64, F64, B] | None = None,
 ) -> F64:
-    """The GPU score, as ``_gpu_score`` computes it (same operations, same order)."""
+    """The GPU score, as ``_gpu_score`` computes it (same operations, same order). With
+    ``work`` (result, temporary, finite flags: arrays of the inputs' shape), nothing is
+    allocated and the result is ``work[0]``."""
+    if work is None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = (
+                (1 + u_slots) / slots + (req_cores + u_cores) / cores + (req_mem + u_mem) / mem
+            ) * 10
+        return s if np.isfinite(s).all() else np.nan_to_num(s)
+    s, t, finite = work
     with np.errstate(divide="ignore", invalid="ignore"):
-        s = ((1 + u_slots) / slots + (req_cores + u_cores) / cores + (req_mem + u_mem) / mem) * 10
-    return s if np.isfinite(s).all() else np.nan_to_num(s)
+        np.add(u_slots, 1, out=s)
+        np.divide(s, slots, out=s)
+        np.add(u_cores, req_cores, out=t)
+        np.divide(t, cores, out=t)
+        np.add(s, t, out=s)
+        np.add(u_mem, req_mem, out=t)
+        np.divide(t, mem, out=t)
+        np.add(s, t, out=s)
+        np.multiply(s, 10, out=s)
+    if not np.isfinite(s, out=finite).all():  # inf/nan: zero capacity
+        np.nan_to_num(s, copy=False)
+    return s
 
 
-def _pick(desir: F64, avail: B) -> tuple[I64, B]:
+def _pick(desir: F64, avail: B, work: Scratch) -> tuple[I64, B]:
     """Per table row: the first column with the maximum ``desir`` among ``avail`` columns
     (``desir`` finite). Column-wise maxima: numpy's axis-1 reductions over 8 columns are slow."""
-    v = desir + np.take(_OK_OFFSET, avail.view(np.uint8))  # -inf where not available
-    top = v[:, 0].copy()
+    shape = desir.shape
+    v = work.get("pick_v", shape, np.float64)  # desir, -inf where not available
+    np.take(_OK_OFFSET, avail.view(np.uint8), out=v, mode="clip")
+    np.add(desir, v, out=v)
+    top = work.get("pick_top", shape[:1], np.float64)
+    np.copyto(top, v[:, 0])
     for j in range(1, v.shape[1]):
         np.maximum(top, v[:, j], out=top)
     found = top > -np.inf
     top -= 1e-9
-    first = (v >= top[:, None]).argmax(axis=1)
+    at_top = work.get("pick_at_top", shape, np.bool_)
+    np.greater_equal(v, top[:, None], out=at_top)
+    first = at_top.argmax(axis=1)
     return first, found
 
 
@@ -458,7 +499,11 @@ class _Path:
     dense per-node table once; containers' planned devices are counted in it (never the
     state's). The last evaluation (fit and GPU scores per position) is kept with the positions
     changed since, so a container asking the same as the previous one is re-evaluated only
-    where the previous container's devices went."""
+    where the previous container's devices went.
+
+    Everything per position or per table row lives in ``scratch`` (the table's work arrays,
+    reused by the next decision): what ``core_path``/``mig_path`` return must be copied
+    before the next call."""
 
     def __init__(
         self,
@@ -469,27 +514,62 @@ class _Path:
         conflict: bool,
         *,
         mig: bool,
+        scratch: Scratch,
     ) -> None:
         g = state.gpus
         self.table = table
         self.mig = mig
-        ok = table.ok
-        if ok_types is not None:
-            ok = ok & ok_types[table.type_id]
-        if uuid_ok is not None:
-            ok = ok & uuid_ok[table.idx]
-        if conflict:
-            ok = ok & (g.conflict.take(table.idx) == 0)
-        self.ok = ok
+        self.scratch = sc = scratch
         idx = table.idx
-        self.slots = g.used_slots.take(idx)
-        self.mem = g.used_mem.take(idx)
-        self.cores = g.used_cores.take(idx)
-        self.mask = g.mig_mask.take(idx) if mig else np.zeros(0, np.int64)
+        self.shape: tuple[int, int] = (idx.shape[0], idx.shape[1])
+        ok = table.ok
+        if ok_types is not None or uuid_ok is not None or conflict:
+            ok = sc.get("ok", self.shape, np.bool_)
+            tmp = sc.get("b0", self.shape, np.bool_)
+            np.copyto(ok, table.ok)
+            if ok_types is not None:
+                ok &= np.take(ok_types, table.type_id, out=tmp, mode="clip")
+            if uuid_ok is not None:
+                ok &= np.take(uuid_ok, idx, out=tmp, mode="clip")
+            if conflict:
+                gc = np.take(g.conflict, idx, out=sc.get("i32", self.shape, np.int32), mode="clip")
+                ok &= np.equal(gc, 0, out=tmp)
+        self.ok = ok
+        self.slots = self._gather(g.used_slots, "us")
+        self.mem = self._gather(g.used_mem, "um")
+        self.cores = self._gather(g.used_cores, "uc")
+        self.mask = self._gather(g.mig_mask, "mask") if mig else np.zeros(0, np.int64)
         self.w = idx.shape[1]
-        self.ar = np.arange(table.nodes.size) * self.w
+        ar = sc.memo.get("ar")
+        if ar is None:
+            ar = sc.memo["ar"] = np.arange(table.nodes.size) * self.w
+            ar.setflags(write=False)
+        self.ar: I64 = ar
         self._cache: tuple[tuple[Any, ...], list[npt.NDArray[Any]]] | None = None
         self._dirty: list[I64] = []
+
+    def _gather(self, column: npt.NDArray[Any], name: str) -> npt.NDArray[Any]:
+        out = self.scratch.get(name, self.shape, column.dtype.type)
+        return np.take(column, self.table.idx, out=out, mode="clip")
+
+    def _copy(self, a: npt.NDArray[Any], name: str) -> npt.NDArray[Any]:
+        out = self.scratch.get(name, a.shape, a.dtype.type)
+        np.copyto(out, a)
+        return out
+
+    def _outputs(
+        self, count: int, names: tuple[str, ...], fill: tuple[Any, ...]
+    ) -> list[npt.NDArray[Any]]:
+        """Per table row (and device) result arrays, filled; work arrays too."""
+        P = self.shape[0]
+        out: list[npt.NDArray[Any]] = []
+        for name, value in zip(names, fill, strict=True):
+            dtype = np.bool_ if isinstance(value, bool) else type(value)
+            shape = (P,) if name in ("total", "found_all") else (P, count)
+            a = self.scratch.get(name, shape, dtype)
+            a.fill(value)
+            out.append(a)
+        return out
 
     def _reuse(self, key: tuple[Any, ...]) -> tuple[list[npt.NDArray[Any]], I64] | None:
         cache, dirty = self._cache, self._dirty
@@ -504,9 +584,10 @@ class _Path:
         t = self.table
         slots, mem, cores = t.slots, t.mem, t.cores
         ok, us, um, uc = self.ok, self.slots, self.mem, self.cores
-        if pos is not None:
-            slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
-            ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+        if pos is None:
+            return self._core_eval_all(c, sign)
+        slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+        ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
         req_mem: F64 | float = (
             float(c.mem_mib) if c.mem_mib else np.floor(mem * c.mem_percent / 100)
         )
@@ -517,6 +598,33 @@ class _Path:
         if c.cores >= t.min_cores:  # else every card has more cores than asked: no exclusivity
             fit &= (c.cores < cores) | (us == 0)
         desir = _score(slots, mem, cores, us, um, uc, req_mem, float(c.cores))
+        desir *= sign
+        return fit, desir
+
+    def _core_eval_all(self, c: ContainerRequest, sign: float) -> tuple[B, F64]:
+        """``_core_eval`` of every position, in work arrays (same operations, same results)."""
+        t, sc, shape = self.table, self.scratch, self.shape
+        slots, mem, cores = t.slots, t.mem, t.cores
+        ok, us, um, uc = self.ok, self.slots, self.mem, self.cores
+        f = sc.get("f0", shape, np.float64)
+        b = sc.get("b0", shape, np.bool_)
+        req_mem: F64 | float
+        if c.mem_mib:
+            req_mem = float(c.mem_mib)
+        else:
+            pct: F64 = np.multiply(mem, c.mem_percent, out=sc.get("req_mem", shape, np.float64))
+            req_mem = np.floor(np.divide(pct, 100, out=pct), out=pct)
+        fit = np.less(us, slots, out=sc.get("fit", shape, np.bool_))
+        fit &= ok
+        fit &= np.greater_equal(np.subtract(mem, um, out=f), req_mem, out=b)
+        fit &= np.greater_equal(np.subtract(cores, uc, out=f), c.cores, out=b)
+        fit &= np.less(uc, cores, out=b)
+        if c.cores >= t.min_cores:  # else every card has more cores than asked: no exclusivity
+            excl = np.less(c.cores, cores, out=b)
+            excl |= np.equal(us, 0, out=sc.get("b1", shape, np.bool_))
+            fit &= excl
+        work = (sc.get("desir", shape, np.float64), f, b)
+        desir = _score(slots, mem, cores, us, um, uc, req_mem, float(c.cores), work)
         desir *= sign
         return fit, desir
 
@@ -533,15 +641,13 @@ class _Path:
                 desir.ravel()[dpos] = d2
         self._cache = (key, [fit, desir])
         t = self.table
-        P = t.nodes.size
-        rows = np.full((P, c.count), -1, np.int64)
-        scores = np.zeros((P, c.count))
-        total = np.zeros(P)
-        found_all = np.ones(P, np.bool_)
+        rows, scores, total, found_all = self._outputs(
+            c.count, ("rows", "scores", "total", "found_all"), (np.int64(-1), 0.0, 0.0, True)
+        )
         avail = fit
         flat_d = desir.ravel()
         for k in range(c.count):
-            first, found = _pick(desir, avail)
+            first, found = _pick(desir, avail, self.scratch)
             found_all &= found
             fpos = (self.ar + first)[found]
             rows[found, k] = t.idx.ravel()[fpos]
@@ -550,7 +656,7 @@ class _Path:
             scores[found, k] = d * sign
             if k + 1 < c.count:
                 if avail is fit:
-                    avail = fit.copy()
+                    avail = self._copy(fit, "avail")
                 avail.ravel()[fpos] = False
         return found_all, total, rows, scores
 
@@ -558,7 +664,13 @@ class _Path:
 
     def _min_rank(self, state: ClusterState, c: ContainerRequest) -> I64 | None:
         """Per position, the smallest profile rank the request accepts (R: none); None if
-        no geometry has a profile large enough."""
+        no geometry has a profile large enough. Depends on the table and the request only:
+        kept with the table's work arrays (read-only) for the next decisions."""
+        memo = self.scratch.memo
+        key = ("min_rank", c.mem_mib, c.mem_percent, c.cores)
+        if key in memo:
+            cached: I64 | None = memo[key]
+            return cached
         t = self.table
         minr = np.zeros(t.idx.size, np.int64)
         any_fit = False
@@ -578,7 +690,13 @@ class _Path:
             fit_any = fits.any(axis=1)
             any_fit = any_fit or bool(fit_any.any())
             minr[gpos] = np.where(fit_any, fits.argmax(axis=1), n_ranks)
-        return minr if any_fit else None
+        minr.setflags(write=False)
+        result = minr if any_fit else None
+        if sum(1 for k in memo if k[0] == "min_rank") >= 16:  # a few request shapes recur
+            for k in [k for k in memo if k[0] == "min_rank"]:
+                del memo[k]
+        memo[key] = result
+        return result
 
     def _mig_eval(
         self, minr: I64, sign: float, us: F64, um: F64, uc: F64, mask: I64, pos: I64 | None
@@ -588,13 +706,13 @@ class _Path:
         assert t.lut_full is not None and t.lut_stride is not None
         off, full, stride = t.lut_off, t.lut_full, t.lut_stride
         slots, mem, cores, ok = t.slots, t.mem, t.cores, self.ok
-        shape: tuple[int, ...] = t.idx.shape
         m = mask.ravel()
-        if pos is not None:
-            off, full, stride, minr, m = off[pos], full[pos], stride[pos], minr[pos], m[pos]
-            slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
-            ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
-            shape = pos.shape
+        if pos is None:
+            return self._mig_eval_all(minr, sign, us, um, uc, m)
+        off, full, stride, minr, m = off[pos], full[pos], stride[pos], minr[pos], m[pos]
+        slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+        ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+        shape = pos.shape
         li = m & full
         li *= stride
         li += off
@@ -610,17 +728,40 @@ class _Path:
         desir *= sign
         return [prof, start, pmem, pcore, fit, desir]
 
+    def _mig_eval_all(
+        self, minr: I64, sign: float, us: F64, um: F64, uc: F64, m: I64
+    ) -> list[npt.NDArray[Any]]:
+        """``_mig_eval`` of every position, in work arrays (same operations, same results)."""
+        t, sc, shape = self.table, self.scratch, self.shape
+        assert t.lut is not None and t.lut_off is not None
+        assert t.lut_full is not None and t.lut_stride is not None
+        flat = (t.idx.size,)
+        li = np.bitwise_and(m, t.lut_full, out=sc.get("li", flat, np.int64))
+        li *= t.lut_stride
+        li += t.lut_off
+        li += minr
+        prof, start, pmem, pcore = (
+            np.take(lut, li, out=sc.get(name, flat, lut.dtype.type), mode="clip").reshape(shape)
+            for name, lut in zip(("prof", "start", "pmem", "pcore"), t.lut, strict=True)
+        )
+        b = sc.get("b0", shape, np.bool_)
+        fit = np.greater_equal(prof, 0, out=sc.get("fit", shape, np.bool_))
+        fit &= np.less(us, t.slots, out=b)
+        fit &= self.ok
+        work = (sc.get("desir", shape, np.float64), sc.get("f0", shape, np.float64), b)
+        desir = _score(t.slots, t.mem, t.cores, us, um, uc, pmem, pcore, work)
+        desir *= sign
+        return [prof, start, pmem, pcore, fit, desir]
+
     def mig_path(
         self, state: ClusterState, c: ContainerRequest, sign: float
     ) -> tuple[B, F64, I64, I64, I64, F64]:
         t = self.table
-        P = t.nodes.size
-        rows = np.full((P, c.count), -1, np.int64)
-        rank_out = np.full((P, c.count), -1, np.int64)
-        start_out = np.full((P, c.count), -1, np.int64)
-        scores = np.zeros((P, c.count))
-        total = np.zeros(P)
-        found_all = np.ones(P, np.bool_)
+        rows, rank_out, start_out, scores, total, found_all = self._outputs(
+            c.count,
+            ("rows", "rank_out", "start_out", "scores", "total", "found_all"),
+            (np.int64(-1), np.int64(-1), np.int64(-1), 0.0, 0.0, True),
+        )
         key = (c.mem_mib, c.mem_percent, c.cores, sign)
         reuse = self._reuse(key)
         if reuse is None:
@@ -640,10 +781,11 @@ class _Path:
         self._cache = (key, [minr, *ev])
         us, um, uc, mask = self.slots, self.mem, self.cores, self.mask
         if c.count > 1:  # this path's earlier devices count for its later ones only
-            us, um, uc, mask = us.copy(), um.copy(), uc.copy(), mask.copy()
+            us, um = self._copy(us, "us_c"), self._copy(um, "um_c")
+            uc, mask = self._copy(uc, "uc_c"), self._copy(mask, "mask_c")
         for k in range(c.count):
             prof, start, pmem, pcore, fit, desir = ev
-            first, found = _pick(desir, fit)
+            first, found = _pick(desir, fit, self.scratch)
             found_all &= found
             fpos = (self.ar + first)[found]
             picked = t.idx.ravel()[fpos]
@@ -663,7 +805,7 @@ class _Path:
                 uc.ravel()[fpos] += pcore.ravel()[fpos]
                 part = self._mig_eval(minr, sign, us, um, uc, mask, fpos)
                 if k == 0:  # the cached evaluation stays as it was
-                    ev = [a.copy() for a in ev]
+                    ev = [self._copy(a, f"ev_{i}") for i, a in enumerate(ev)]
                 for a, b in zip(ev, part, strict=True):
                     a.ravel()[fpos] = b
         return found_all, total, rows, rank_out, start_out, scores

@@ -9,6 +9,7 @@ are; nothing is rebuilt per scheduling cycle.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +68,38 @@ def _choice_luts(
     for a in luts:
         a.setflags(write=False)
     return luts
+
+
+class Scratch:
+    """Work arrays that decisions reuse instead of allocating (numpy temporaries of a 40k-GPU
+    table are large enough that glibc hands their pages back and faults them in again on
+    every call). Owned by a layout's tables, so they live until the layout changes. Never
+    hand these arrays out in a result: the next decision overwrites them.
+
+    One user at a time: ``acquire`` fails (without waiting) while another decision holds it,
+    and that one then works with a fresh ``Scratch`` of its own."""
+
+    __slots__ = ("_arrays", "_lock", "memo")
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[str, tuple[int, ...], Any], npt.NDArray[Any]] = {}
+        self._lock = threading.Lock()
+        # Values derived from the (immutable) table and a request, e.g. per-profile ranks.
+        self.memo: dict[Any, Any] = {}
+
+    def acquire(self) -> bool:
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+        """The work array ``name`` of this shape and dtype (contents undefined)."""
+        key = (name, shape, dtype)
+        a = self._arrays.get(key)
+        if a is None:
+            a = self._arrays[key] = np.empty(shape, dtype)
+        return a
 
 
 class ChangeWatcher(Protocol):
@@ -577,6 +610,8 @@ class PathTable:
         ]
         | None
     ) = None  # profile, start, memory, cores
+    # Work arrays of decisions over this table (see ``Scratch``); not part of the table's value.
+    scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
 
     @staticmethod
     def of(
@@ -673,6 +708,8 @@ class Layout:
     name_rank: npt.NDArray[np.int64] | None = None  # [S] position of the name in sorted order
     core: PathTable | None = None  # healthy live hami-core GPUs
     mig: PathTable | None = None  # healthy live MIG GPUs with a geometry
+    # Per-segment work arrays of decisions (see ``Scratch``); its lock guards the tables' too.
+    scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
 
     @staticmethod
     def of(state: ClusterState) -> Layout:

@@ -57,8 +57,11 @@ def _client(kubeconfig: str) -> KubeClient:
 
 
 def _cmd_plugin_server(args: argparse.Namespace) -> int:
+    from scheduler_plugins.malloc import tune_allocator
     from scheduler_plugins.server.app import PluginServer
 
+    # Decisions allocate large numpy temporaries; keep glibc from trimming and refaulting.
+    log.info("malloc.tuned", result=tune_allocator())
     config = load_config_file(args.config) if args.config else DeviceConfig()
     done = threading.Event()
 
