@@ -1,7 +1,9 @@
 """The node agent's Allocate: which pod, what the container gets, and the annotations after.
 
-``Allocator`` is the device plugin's ``AllocateHandler``. For each container request it
-finds the pod (``node_agent.pod_matching``, no node lock), takes the devices and limits
+``Allocator`` is the device plugin's ``AllocateHandler``, and ``Allocator.preferred`` its
+GetPreferredAllocation policy (steering the kubelet's ids to the GPUs of the one pod whose
+next container asks that many devices). For each container request it finds the pod
+(``node_agent.pod_matching``: by device count, no node lock), takes the devices and limits
 from *that pod's* ``hami.io/vgpu-devices-to-allocate`` entry (never from another pod), checks
 what it did not write (the entry's GPUs are this node's, limits in range, the container's
 MIG reservations agree with it), then:
@@ -28,7 +30,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from node_agent.deviceplugin.ids import device_id
+from node_agent.deviceplugin.ids import device_id, prefer_gpus, prefer_spread
 from node_agent.deviceplugin.types import ContainerAllocation, Mount
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
@@ -38,6 +40,8 @@ from node_agent.pod_matching import (
     match_pod,
     next_container,
     pod_key,
+    preferred_gpus,
+    requested_gpus,
     to_allocate,
 )
 from scheduler_plugins.annotations import (
@@ -122,8 +126,36 @@ class Allocator:
         for ids in containers:
             pods = self._list_pods()
             match = match_pod(pods, self.node_name, ids)
+            if requested_gpus(ids) != Counter(d.uuid for d in match.devices):
+                # The kubelet did not take our preferred ids (or had to choose itself): the
+                # pod is still the only one asking this many devices, and what it gets
+                # comes from its own entry; only the kubelet's slot bookkeeping differs.
+                log.info(
+                    "allocate.unsteered_ids",
+                    pod=match.key,
+                    node=self.node_name,
+                    container=match.container_index,
+                    ids=list(ids),
+                )
             out.append(self._allocate_guarded(match.pod, match.container_index, pods))
         return out
+
+    def preferred(
+        self, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        """GetPreferredAllocation (a ``PreferredPolicy``): the slots of the GPUs reserved by
+        the unique allocating pod whose next container asks ``size`` devices, so the ids the
+        kubelet then sends to Allocate name that pod's GPUs; spread over GPUs when no single
+        pod can be named (or the pods cannot be listed)."""
+        prefer_spread(available, must_include, 0)  # validates every id before the API call
+        try:
+            gpus = preferred_gpus(self._list_pods(), self.node_name, size)
+        except TesseraError as e:
+            log.warning("preferred_allocation.pods_unreadable", node=self.node_name, error=str(e))
+            gpus = None
+        if gpus is None:
+            return prefer_spread(available, must_include, size)
+        return prefer_gpus(available, must_include, size, gpus)
 
     def pre_start(self, device_ids: Sequence[str]) -> None:
         return None

@@ -1,11 +1,15 @@
 """``tessera node-agent …``: argparse wiring of the node agent's commands.
 
+- ``run``: the agent of one real node (``node_agent.agent.NodeAgent``); the NVML backend is
+  chosen by ``TESSERA_NVML`` (``real`` default, ``simulated`` with ``TESSERA_SIM_GPUS`` and
+  ``TESSERA_SIM_STATE``). SIGTERM/SIGINT stop it cleanly.
 - ``kwok``: simulated agents for every kwok fake node of a cluster (one process).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -21,6 +25,22 @@ def add_node_agent_commands(
     """Register ``node-agent`` with its sub-commands on an ``add_subparsers()`` object."""
     agent = subparsers.add_parser("node-agent", help="the node agent (kubelet device plugin)")
     sub = agent.add_subparsers(dest="node_agent_command", required=True)
+    run = sub.add_parser(
+        "run", help="the node agent of this node (device plugin, MIG, registration)"
+    )
+    node_default = os.environ.get("NODE_NAME") or None
+    run.add_argument(
+        "--node-name",
+        default=node_default,
+        required=node_default is None,
+        help="this node's name (default: $NODE_NAME)",
+    )
+    run.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account)")
+    run.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
+    run.add_argument(
+        "--plugin-dir", help="kubelet device plugin dir (default: /var/lib/kubelet/device-plugins)"
+    )
+    run.set_defaults(func=_cmd_run)
     kwok = sub.add_parser("kwok", help="simulated node agents for kwok fake nodes")
     kwok.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account)")
     kwok.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
@@ -36,13 +56,7 @@ def _client(args: argparse.Namespace) -> KubeClient:
     return KubeClient.in_cluster()
 
 
-def _cmd_kwok(args: argparse.Namespace) -> int:
-    from node_agent.kwok_mode import KwokAgents
-
-    config = load_config_file(args.config) if args.config else DeviceConfig()
-    state = Path(args.state_dir) if args.state_dir else None
-    if state is not None:
-        state.mkdir(parents=True, exist_ok=True)
+def _stop_on_signals() -> threading.Event:
     done = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -50,6 +64,32 @@ def _cmd_kwok(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return done
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from node_agent.agent import NodeAgent
+    from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
+    from node_agent.nvml import backend_from_env
+
+    config = load_config_file(args.config) if args.config else DeviceConfig()
+    backend = backend_from_env(node_name=args.node_name)
+    done = _stop_on_signals()
+    with _client(args) as kube:
+        NodeAgent(
+            args.node_name, kube, backend, config, plugin_dir=args.plugin_dir or DEFAULT_PLUGIN_DIR
+        ).run(done)
+    return 0
+
+
+def _cmd_kwok(args: argparse.Namespace) -> int:
+    from node_agent.kwok_mode import KwokAgents
+
+    config = load_config_file(args.config) if args.config else DeviceConfig()
+    state = Path(args.state_dir) if args.state_dir else None
+    if state is not None:
+        state.mkdir(parents=True, exist_ok=True)
+    done = _stop_on_signals()
     with (
         _client(args) as kube,
         KwokAgents(kube, config, state_dir=state, watch_timeout_s=args.watch_timeout),

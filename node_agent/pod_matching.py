@@ -1,9 +1,11 @@
 """Which pod a kubelet Allocate call is for, found without a node-wide lock.
 
-The kubelet's AllocateRequest carries device ids only (``<gpu uuid>-<slot>``, ids this
-agent advertised), never the pod. HAMi serializes every bind on a node behind a node
-annotation lock to know the pod; Tessera instead matches the request against the pods
-the scheduler has bound here and that wait for allocation.
+The kubelet's PreferredAllocationRequest and AllocateRequest carry device ids only
+(``<gpu uuid>-<slot>``, ids this agent advertised), never the pod, and the kubelet takes
+the ids of an Allocate from what GetPreferredAllocation answered (or picks its own when
+the answer is short). HAMi serializes every bind on a node behind a node annotation lock to
+know the pod; Tessera instead identifies the pod by the one thing the request does carry
+that the scheduler decided: the number of devices the container asks.
 
 The rule (one container request at a time):
 
@@ -12,20 +14,29 @@ The rule (one container request at a time):
 2. A candidate's *next container* is the first container (pod order, init containers
    first) whose ``hami.io/vgpu-devices-to-allocate`` entry is non-empty; the node agent
    empties each entry once it has allocated that container.
-3. A candidate matches when the GPU UUIDs of its next container's entry, counted with
-   multiplicity, equal the GPU UUIDs of the request's device ids (so both the device
-   count and the set of GPUs agree).
-4. One match: that pod. Several: if exactly one of them is *in progress* (one of its GPU
-   containers is already allocated), that one, because the kubelet admits one pod at a
-   time and allocates all of its containers before the next pod. Otherwise the request
-   is ambiguous and Allocate fails (the kubelet's retry, or the scheduler's serialization,
-   resolves it) instead of guessing. Matches are reported in kubelet admission order
+3. A candidate matches a request of ``n`` device ids when its next container asks ``n``
+   devices. The GPU UUIDs of the ids do not decide anything: they are only right when
+   GetPreferredAllocation steered the kubelet to them, which it can only do for the same
+   unique candidate (step 5), so matching on them would add no certainty.
+4. Exactly one match: that pod. Several, or a candidate whose annotations cannot be read
+   (it might be the one): the request is ambiguous and Allocate fails with
+   ``AmbiguousPodError`` instead of guessing. Pods are reported in kubelet admission order
    (``hami.io/bind-time``, then creation time).
+5. GetPreferredAllocation (``preferred_gpus``) applies the same rule to its
+   ``allocation_size``: when exactly one candidate's next container asks that many devices,
+   the preferred ids are slots of the GPUs that container reserved (with multiplicity), so
+   the kubelet's slot accounting follows the scheduler's; otherwise the agent falls back to
+   spreading over GPUs (``ids.prefer_spread``).
 
-What it cannot tell apart: two allocating pods on one node whose next containers ask for
-the same GPUs the same number of times (e.g. both ``nvidia.com/gpu: 1`` on GPU-A), neither
-in progress. :func:`ambiguous` says whether two pods could ever be in that situation, so
-the scheduler can keep such a pair from being allocating on one node at the same time.
+Whatever pod is matched, the devices and limits handed out come from *that pod's* own
+to-allocate entry, never from the request's ids or from another pod.
+
+What it cannot tell apart: two allocating pods on one node whose next containers ask the
+same device count, whatever their GPUs (e.g. both ``nvidia.com/gpu: 1``, one on GPU-A and
+one on GPU-B). Pods whose next containers ask different device counts are told apart and
+bind concurrently on one node. :func:`ambiguous` says whether two pods could ever be in
+that situation (any of their remaining containers asks the same count), so the scheduler
+keeps exactly such pairs from being allocating on one node at the same time.
 """
 
 from __future__ import annotations
@@ -40,7 +51,6 @@ from node_agent.deviceplugin.ids import gpu_of
 from scheduler_plugins.annotations import (
     BIND_PHASE,
     BIND_TIME,
-    DEVICES_ALLOCATED,
     DEVICES_TO_ALLOCATE,
     VGPU_NODE,
 )
@@ -122,14 +132,6 @@ def next_container(
     return None
 
 
-def in_progress(annotations: Mapping[str, str], *, obj: str = "") -> bool:
-    """Some GPU container of the pod is allocated already while others still wait."""
-    pending = to_allocate(annotations, obj=obj)
-    allocated = decode_devices(annotations.get(DEVICES_ALLOCATED, ""), obj=obj)
-    done = any(allocated[i] and not pending[i] for i in range(min(len(pending), len(allocated))))
-    return done and any(pending)
-
-
 def admission_order(pod: Mapping[str, Any]) -> tuple[float, str, str]:
     """Sort key: bind time (unknown last), creation time, namespace/name."""
     ann = annotations_of(pod)
@@ -145,66 +147,83 @@ def match_pod(
     pods: Iterable[Mapping[str, Any]], node_name: str, device_ids: Sequence[str]
 ) -> Match:
     """The pod and container one container request of an Allocate call is for."""
-    wanted = requested_gpus(device_ids)
-    if not wanted:
+    wanted = requested_gpus(device_ids)  # validates the ids
+    size = len(device_ids)
+    if not size:
         raise NoMatchingPodError("the Allocate request names no devices")
-    matches: list[Match] = []
-    skipped: list[str] = []
-    for pod in sorted((p for p in pods if is_candidate(p, node_name)), key=admission_order):
-        key = pod_key(pod)
-        try:
-            nxt = next_container(annotations_of(pod), obj=key)
-        except InvalidAnnotationError as e:
-            skipped.append(str(e))
-            continue
-        if nxt is not None and Counter(d.uuid for d in nxt[1]) == wanted:
-            matches.append(Match(pod, key, nxt[0], nxt[1]))
-    if len(matches) == 1:
+    matches, unreadable = _asking(pods, node_name, size)
+    if len(matches) == 1 and not unreadable:
         return matches[0]
     if not matches:
         extra = (
-            f"; skipped pods with malformed annotations: {'; '.join(skipped)}" if skipped else ""
+            f"; skipped pods with unreadable annotations: {'; '.join(unreadable)}"
+            if unreadable
+            else ""
         )
         raise NoMatchingPodError(
-            f"no pod on node {node_name} with {BIND_PHASE}=allocating waits for "
-            f"{_describe(wanted)}{extra}"
+            f"no pod on node {node_name} with {BIND_PHASE}=allocating has a next GPU "
+            f"container asking {size} device(s) (request: {_describe(wanted)}){extra}"
         )
-    started = [m for m in matches if _in_progress_safe(m)]
-    if len(started) == 1:
-        return started[0]
+    who = ", ".join(m.key for m in matches)
+    extra = f"; pods with unreadable annotations: {'; '.join(unreadable)}" if unreadable else ""
     raise AmbiguousPodError(
-        f"pods {', '.join(m.key for m in matches)} on node {node_name} all wait for "
-        f"{_describe(wanted)}; refusing to guess (the scheduler serializes such pods)"
+        f"pods {who} on node {node_name} all wait to allocate a container asking {size} "
+        f"device(s){extra}; refusing to guess (the scheduler serializes such pods)"
     )
+
+
+def preferred_gpus(
+    pods: Iterable[Mapping[str, Any]], node_name: str, size: int
+) -> Counter[str] | None:
+    """GPU UUIDs (with multiplicity) GetPreferredAllocation should steer ``size`` ids to.
+
+    Those of the next container of the unique candidate whose next container asks ``size``
+    devices; None when there is no such unique candidate (or a candidate is unreadable).
+    """
+    if size <= 0:
+        return None
+    matches, unreadable = _asking(pods, node_name, size)
+    if len(matches) != 1 or unreadable:
+        return None
+    return Counter(d.uuid for d in matches[0].devices)
 
 
 def ambiguous(pod_a_annotations: Mapping[str, str], pod_b_annotations: Mapping[str, str]) -> bool:
     """Could an Allocate for one of these pods be mistaken for the other on one node?
 
     Pure, for the scheduler: True when some not-yet-allocated container of one pod asks
-    for the same GPUs (with multiplicity) as some not-yet-allocated container of the other.
-    Every remaining container counts, not just the next one, because each pod's next
-    container moves on as the kubelet admits it. Unreadable annotations count as
-    ambiguous (the safe answer is to serialize).
+    the same number of devices as some not-yet-allocated container of the other, whatever
+    their GPUs (the kubelet's request only shows the count). Every remaining container
+    counts, not just the next one, because each pod's next container moves on as the
+    kubelet admits it. Unreadable annotations count as ambiguous (the safe answer is to
+    serialize).
     """
     try:
         a = to_allocate(pod_a_annotations)
         b = to_allocate(pod_b_annotations)
     except InvalidAnnotationError:
         return True
-    sets_a = {_frozen(c) for c in a if c}
-    return any(_frozen(c) in sets_a for c in b if c)
+    counts_a = {len(c) for c in a if c}
+    return any(len(c) in counts_a for c in b if c)
 
 
-def _frozen(entry: ContainerDevices) -> frozenset[tuple[str, int]]:
-    return frozenset(Counter(d.uuid for d in entry).items())
-
-
-def _in_progress_safe(m: Match) -> bool:
-    try:
-        return in_progress(annotations_of(m.pod), obj=m.key)
-    except InvalidAnnotationError:
-        return False
+def _asking(
+    pods: Iterable[Mapping[str, Any]], node_name: str, size: int
+) -> tuple[list[Match], list[str]]:
+    """Candidates whose next container asks ``size`` devices (admission order), and the
+    candidates whose annotations could not be read."""
+    matches: list[Match] = []
+    unreadable: list[str] = []
+    for pod in sorted((p for p in pods if is_candidate(p, node_name)), key=admission_order):
+        key = pod_key(pod)
+        try:
+            nxt = next_container(annotations_of(pod), obj=key)
+        except InvalidAnnotationError as e:
+            unreadable.append(str(e))
+            continue
+        if nxt is not None and len(nxt[1]) == size:
+            matches.append(Match(pod, key, nxt[0], nxt[1]))
+    return matches, unreadable
 
 
 def _describe(wanted: Counter[str]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from node_agent.deviceplugin.types import PluginDevice
 from scheduler_plugins.errors import InvalidInputError
@@ -93,6 +93,43 @@ def prefer_spread(available: Sequence[str], must_include: Sequence[str], size: i
         used[uuid] = used.get(uuid, 0) + 1
         if not free[uuid]:
             del free[uuid]
+    return chosen
+
+
+def prefer_gpus(
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    gpus: Mapping[str, int],
+) -> list[str]:
+    """The preferred ``size`` ids when the container's GPUs are known: slots of ``gpus``.
+
+    ``gpus`` maps GPU UUID -> how many devices the container takes on it (the scheduler's
+    reservation). After the must-include ids (they count toward their GPU), each GPU gets
+    its remaining share from its lowest free slots; whatever cannot be placed that way (a
+    GPU with too few free slots, a GPU not offered) is filled by ``prefer_spread``. Never
+    more than ``size`` ids. Raises ``InvalidDeviceIdError`` for a malformed id.
+    """
+    chosen: list[str] = list(dict.fromkeys(must_include))
+    taken = set(chosen)
+    need = {uuid: n for uuid, n in gpus.items() if n > 0}
+    for dev in chosen:
+        uuid, _ = gpu_of(dev)
+        if need.get(uuid, 0) > 0:
+            need[uuid] -= 1
+    free: dict[str, list[tuple[int, str]]] = {}
+    for dev in available:
+        uuid, slot = gpu_of(dev)
+        if dev not in taken and need.get(uuid, 0) > 0:
+            free.setdefault(uuid, []).append((slot, dev))
+    for uuid, slots in free.items():  # GPUs in order of first appearance in ``available``
+        for _, dev in sorted(slots)[: need[uuid]]:
+            if len(chosen) >= size:
+                break
+            chosen.append(dev)
+            taken.add(dev)
+    if len(chosen) < size:
+        return prefer_spread(available, chosen, size)
     return chosen
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator
+from node_agent.deviceplugin.ids import InvalidDeviceIdError, prefer_spread
 from node_agent.deviceplugin.types import Mount
 from node_agent.gpu_catalog import find_model
 from node_agent.mig_manager import MigAllocationError, MigManager
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from node_agent.pod_matching import NoMatchingPodError
+from node_agent.pod_matching import AmbiguousPodError, NoMatchingPodError
 from scheduler_plugins.annotations import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS
 from scheduler_plugins.config import DeviceConfig, NodeConfig
 from scheduler_plugins.errors import InvalidAnnotationError, TemporaryError
@@ -139,12 +141,81 @@ def test_memory_above_the_card_is_refused(backend: SimulatedNvml) -> None:
         alloc.allocate([[f"{G0}-0"]])
 
 
-def test_no_pod_waits_for_the_devices(backend: SimulatedNvml) -> None:
+def test_no_pod_waits_for_that_many_devices(backend: SimulatedNvml) -> None:
     kube = FakeKube()
     kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
     alloc, _ = allocator(kube, backend)
     with pytest.raises(NoMatchingPodError):
-        alloc.allocate([[f"{G1}-0"]])
+        alloc.allocate([[f"{G0}-0", f"{G1}-0"]])
+
+
+def test_unsteered_ids_still_get_the_only_pods_own_devices(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    [out] = alloc.allocate([[f"{G1}-4"]])  # the kubelet chose a slot of the other GPU
+    assert out.envs["NVIDIA_VISIBLE_DEVICES"] == G0
+    assert out.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
+    assert kube.annotations(path)[BIND_PHASE] == "success"
+
+
+def test_same_count_pods_on_different_gpus_are_ambiguous(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    p = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    q = kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    with pytest.raises(AmbiguousPodError, match="default/p, default/q"):
+        alloc.allocate([[f"{G0}-0"]])
+    assert kube.annotations(p)[BIND_PHASE] == kube.annotations(q)[BIND_PHASE] == "allocating"
+
+
+# GetPreferredAllocation -----------------------------------------------------------------
+
+SLOTS = [f"{g}-{s}" for g in (G0, G1) for s in range(4)]
+
+
+def test_preferred_steers_to_the_unique_candidates_gpus(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("one", devices=[[(G1, 1000, 10)]]))
+    kube.add_pod(make_pod("two", devices=[[(G1, 1000, 10), (G1, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    # Spread would pick G0 first; steering names the GPU of the only pod asking that count.
+    assert alloc.preferred(SLOTS, [], 1) == [f"{G1}-0"]
+    assert alloc.preferred(SLOTS, [], 2) == [f"{G1}-0", f"{G1}-1"]
+    assert alloc.preferred([s for s in SLOTS if s != f"{G1}-0"], [], 1) == [f"{G1}-1"]
+    # The ids it steered to are then matched to that pod and get its devices.
+    [out] = alloc.allocate([alloc.preferred(SLOTS, [], 2)])
+    assert out.envs["NVIDIA_VISIBLE_DEVICES"] == f"{G1},{G1}"
+
+
+def test_preferred_falls_back_to_spread_without_a_unique_candidate(
+    backend: SimulatedNvml,
+) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G1, 1000, 10)]]))
+    kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    assert alloc.preferred(SLOTS, [], 1) == prefer_spread(SLOTS, [], 1) == [f"{G0}-0"]
+    assert alloc.preferred(SLOTS, [], 2) == [f"{G0}-0", f"{G1}-0"]  # nobody asks 2
+
+
+def test_preferred_falls_back_to_spread_when_pods_cannot_be_listed(
+    backend: SimulatedNvml,
+) -> None:
+    class Down(FakeKube):
+        def list(self, path: str, *, field_selector: str | None = None) -> dict[str, Any]:
+            raise ServerError("GET", path, 503, "ServiceUnavailable", "down")
+
+    kube = Down()
+    kube.add_pod(make_pod("p", devices=[[(G1, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    assert alloc.preferred(SLOTS, [], 1) == [f"{G0}-0"]
+
+
+def test_preferred_rejects_malformed_ids(backend: SimulatedNvml) -> None:
+    alloc, _ = allocator(FakeKube(), backend)
+    with pytest.raises(InvalidDeviceIdError):
+        alloc.preferred(["nope"], [], 1)
 
 
 # MIG ------------------------------------------------------------------------------------

@@ -1,15 +1,12 @@
 """The device plugin against a fake kubelet speaking real gRPC over Unix sockets.
 
-``FakeKubelet`` behaves like the kubelet's device manager: it serves Registration on
-``kubelet.sock``, and on each Register connects back to the plugin's endpoint, asks for its
-options and keeps a ListAndWatch stream open, queueing every device list it receives.
-A kubelet restart is modelled as the real one does it: every socket in the dir is deleted,
-then a new ``kubelet.sock`` appears.
+``tests.fake_kubelet.FakeKubelet`` behaves like the kubelet's device manager (Register,
+options, a ListAndWatch stream it queues; a restart deletes every socket in the dir, then
+a new ``kubelet.sock`` appears).
 """
 
 from __future__ import annotations
 
-import queue
 import shutil
 import socket
 import stat
@@ -17,106 +14,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
-from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from api.deviceplugin.v1beta1 import api_pb2
 from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DevicePluginServer
 from node_agent.deviceplugin.types import ContainerAllocation, DeviceSpec, Mount
 from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
 from tests.builders import gpu
+from tests.fake_kubelet import WAIT, FakeKubelet
 
 RESOURCE = "nvidia.com/gpu"
 SOCKET = "tessera-gpu.sock"
 UUID_A = "GPU-8a3c1d2e-0b1f-4e5a-9c7d-1234567890ab"
 UUID_B = "GPU-0f0e0d0c-1111-2222-3333-444455556666"
-WAIT = 5.0
-
-# The generated gRPC module is untyped; give the pieces used here typed names.
-_add_registration: Callable[[api_pb2_grpc.RegistrationServicer, grpc.Server], None] = (
-    api_pb2_grpc.add_RegistrationServicer_to_server
-)
-_device_plugin_stub: Callable[[grpc.Channel], Any] = api_pb2_grpc.DevicePluginStub
-
-
-@dataclass
-class PluginConnection:
-    """The fake kubelet's view of one registered plugin."""
-
-    request: api_pb2.RegisterRequest
-    channel: grpc.Channel
-    stub: Any  # api_pb2_grpc.DevicePluginStub
-    options: api_pb2.DevicePluginOptions | None = None
-    updates: queue.Queue[api_pb2.ListAndWatchResponse] = field(default_factory=queue.Queue)
-    stream: Any = None  # the ListAndWatch call: an iterator that is also a grpc.Call
-    stream_ended: threading.Event = field(default_factory=threading.Event)
-    stream_code: grpc.StatusCode | None = None
-    thread: threading.Thread | None = None
-
-    def next_update(self) -> list[api_pb2.Device]:
-        return list(self.updates.get(timeout=WAIT).devices)
-
-
-class FakeKubelet(api_pb2_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path) -> None:
-        self.path = plugin_dir / "kubelet.sock"
-        self.plugin_dir = plugin_dir
-        self.connections: queue.Queue[PluginConnection] = queue.Queue()
-        self._all: list[PluginConnection] = []
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=2)
-        self._server = grpc.server(self._executor)
-        _add_registration(self, self._server)
-        assert self._server.add_insecure_port(f"unix:{self.path}") != 0
-        self._server.start()
-
-    def Register(
-        self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext
-    ) -> api_pb2.Empty:
-        channel = grpc.insecure_channel(f"unix:{self.plugin_dir / request.endpoint}")
-        conn = PluginConnection(request, channel, _device_plugin_stub(channel))
-        # Like the kubelet, talk back to the plugin after Register has returned.
-        conn.thread = threading.Thread(target=self._watch, args=(conn,))
-        with self._lock:
-            self._all.append(conn)
-        conn.thread.start()
-        return api_pb2.Empty()
-
-    def _watch(self, conn: PluginConnection) -> None:
-        try:
-            conn.options = conn.stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=WAIT)
-            stream = conn.stub.ListAndWatch(api_pb2.Empty())
-            conn.stream = stream
-            self.connections.put(conn)
-            for update in stream:
-                conn.updates.put(update)
-            conn.stream_code = stream.code()
-        except grpc.RpcError as e:
-            conn.stream_code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-        finally:
-            conn.stream_ended.set()
-
-    def next_connection(self) -> PluginConnection:
-        return self.connections.get(timeout=WAIT)
-
-    def stop(self) -> None:
-        self._server.stop(0).wait()
-        self._executor.shutdown(wait=True)
-        with self._lock:
-            conns = list(self._all)
-        for conn in conns:
-            if conn.stream is not None:
-                conn.stream.cancel()
-            if conn.thread is not None:
-                conn.thread.join(WAIT)
-            conn.channel.close()
-        self.path.unlink(missing_ok=True)
 
 
 class StubHandler:
@@ -365,6 +279,32 @@ def test_bad_device_ids_are_invalid_argument_and_never_reach_handler(
         assert message in (info.value.details() or "")
     assert handler.allocate_calls == []
     assert handler.pre_start_calls == []
+
+
+def test_injected_preference_hook_answers_get_preferred_allocation(
+    plugin_dir: Path, kubelet: FakeKubelet, inventory: SlotInventory, handler: StubHandler
+) -> None:
+    asked: list[tuple[list[str], list[str], int]] = []
+
+    def steer(available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        asked.append((list(available), list(must_include), size))
+        return [d for d in available if d.startswith(UUID_B)][:size]
+
+    server = DevicePluginServer(
+        RESOURCE,
+        plugin_dir,
+        SOCKET,
+        inventory,
+        handler,
+        preferred=steer,
+        watch_interval_s=0.02,
+        stream_poll_s=0.02,
+    )
+    with server:
+        conn = kubelet.next_connection()
+        available = [f"{UUID_A}-0", f"{UUID_B}-0", f"{UUID_B}-1"]
+        assert conn.preferred(available, 1, [f"{UUID_A}-0"]) == [f"{UUID_B}-0"]
+    assert asked == [(available, [f"{UUID_A}-0"], 1)]
 
 
 def test_malformed_id_in_preferred_allocation_is_invalid_argument(

@@ -14,6 +14,7 @@ from node_agent.deviceplugin.ids import (
     device_id,
     gpu_of,
     plugin_devices,
+    prefer_gpus,
     prefer_spread,
 )
 from node_agent.deviceplugin.types import PluginDevice
@@ -173,6 +174,74 @@ def test_prefer_spread(
 def test_prefer_spread_rejects_malformed_available_id() -> None:
     with pytest.raises(InvalidDeviceIdError, match="'nope'"):
         prefer_spread(["nope"], [], 1)
+
+
+@pytest.mark.parametrize(
+    ("available", "must_include", "size", "gpus", "expected"),
+    [
+        pytest.param(
+            ids(UUID_A, 0, 1) + ids(UUID_B, 2, 0, 1),
+            [],
+            1,
+            {UUID_B: 1},
+            [f"{UUID_B}-0"],
+            id="the-reserved-gpu-not-the-spread-choice",
+        ),
+        pytest.param(
+            ids(UUID_A, 0, 1) + ids(UUID_B, 0, 1),
+            [],
+            2,
+            {UUID_A: 2},
+            [f"{UUID_A}-0", f"{UUID_A}-1"],
+            id="two-devices-on-one-gpu-stay-on-it",
+        ),
+        pytest.param(
+            ids(UUID_A, 0, 1) + ids(UUID_B, 0, 1) + ids(UUID_C, 0),
+            [],
+            2,
+            {UUID_C: 1, UUID_B: 1},
+            [f"{UUID_B}-0", f"{UUID_C}-0"],
+            id="several-gpus-in-available-order",
+        ),
+        pytest.param(
+            ids(UUID_A, 0, 1) + ids(UUID_B, 0, 1),
+            [f"{UUID_B}-1"],
+            2,
+            {UUID_B: 2},
+            [f"{UUID_B}-1", f"{UUID_B}-0"],
+            id="must-include-counts-toward-its-gpu",
+        ),
+        pytest.param(
+            ids(UUID_A, 0, 1) + ids(UUID_B, 0),
+            [],
+            2,
+            {UUID_B: 2},
+            [f"{UUID_B}-0", f"{UUID_A}-0"],
+            id="short-gpu-filled-by-spread",
+        ),
+        pytest.param(
+            ids(UUID_A, 0),
+            [],
+            1,
+            {UUID_C: 1},
+            [f"{UUID_A}-0"],
+            id="gpu-not-offered-falls-back-to-spread",
+        ),
+    ],
+)
+def test_prefer_gpus(
+    available: list[str],
+    must_include: list[str],
+    size: int,
+    gpus: dict[str, int],
+    expected: list[str],
+) -> None:
+    assert prefer_gpus(available, must_include, size, gpus) == expected
+
+
+def test_prefer_gpus_rejects_malformed_ids() -> None:
+    with pytest.raises(InvalidDeviceIdError):
+        prefer_gpus(["nope"], [], 1, {UUID_A: 1})
 
 
 def test_slot_inventory_bumps_version_only_on_change() -> None:

@@ -1,7 +1,9 @@
-"""Which pod an Allocate is for: the matching rule, its one blind spot, and ambiguous()."""
+"""Which pod an Allocate is for: the count rule, its one blind spot, preferred_gpus() and
+ambiguous()."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ from node_agent.pod_matching import (
     ambiguous,
     annotations_of,
     match_pod,
+    next_container,
+    preferred_gpus,
 )
 from scheduler_plugins.annotations import DEVICES_TO_ALLOCATE
 from tests.node_agent_fakes import make_pod
@@ -40,7 +44,7 @@ CASES: list[tuple[str, list[dict[str, Any]], list[str], str | type[Exception], i
         NoMatchingPodError,
         0,
     ),
-    ("other GPU", [make_pod("p", devices=one())], [f"{B}-0"], NoMatchingPodError, 0),
+    ("the count decides, not the ids' GPU", [make_pod("p", devices=one())], [f"{B}-0"], "p", 0),
     (
         "already allocated",
         [make_pod("p", devices=one(), phase_annotation="success")],
@@ -77,10 +81,10 @@ CASES: list[tuple[str, list[dict[str, Any]], list[str], str | type[Exception], i
         0,
     ),
     (
-        "same GPU twice needs two ids on it",
+        "same GPU twice, ids on two GPUs",
         [make_pod("p", devices=[[(A, 1, 1), (A, 1, 1)]])],
         [f"{A}-0", f"{B}-0"],
-        NoMatchingPodError,
+        "p",
         0,
     ),
     (
@@ -91,10 +95,24 @@ CASES: list[tuple[str, list[dict[str, Any]], list[str], str | type[Exception], i
         0,
     ),
     (
-        "disjoint GPU sets pick the right pod",
+        "different counts pick the right pod (one device)",
+        [make_pod("p", devices=one(A)), make_pod("q", devices=[[(A, 1, 1), (B, 1, 1)]])],
+        [f"{B}-0"],
+        "p",
+        0,
+    ),
+    (
+        "different counts pick the right pod (two devices)",
+        [make_pod("p", devices=one(A)), make_pod("q", devices=[[(A, 1, 1), (B, 1, 1)]])],
+        [f"{A}-0", f"{A}-1"],
+        "q",
+        0,
+    ),
+    (
+        "ambiguous: same count on different GPUs",
         [make_pod("p", devices=one(A)), make_pod("q", devices=one(B))],
         [f"{B}-0"],
-        "q",
+        AmbiguousPodError,
         0,
     ),
     (
@@ -105,23 +123,37 @@ CASES: list[tuple[str, list[dict[str, Any]], list[str], str | type[Exception], i
         0,
     ),
     (
-        "the pod in progress wins (kubelet admits one pod at a time)",
+        "a pod in progress is no exception: same count is ambiguous",
         [
             make_pod("fresh", devices=[[(A, 1000, 10)], [(A, 1000, 10)]]),
             partly_done(make_pod("started", devices=[[(A, 1000, 10)], [(A, 1000, 10)]])),
         ],
         [f"{A}-0"],
+        AmbiguousPodError,
+        0,
+    ),
+    (
+        "a pod in progress moves on to its next container",
+        [partly_done(make_pod("started", devices=[[(A, 1000, 10)], [(A, 1000, 10)]]))],
+        [f"{A}-0"],
         "started",
         1,
     ),
     (
-        "malformed candidate is skipped",
+        "an unreadable candidate might be the one: ambiguous",
         [
             make_pod("bad", devices=one(), extra_annotations={DEVICES_TO_ALLOCATE: "garbage"}),
             make_pod("p", devices=one()),
         ],
         [f"{A}-0"],
-        "p",
+        AmbiguousPodError,
+        0,
+    ),
+    (
+        "an unreadable candidate alone matches nothing",
+        [make_pod("bad", devices=one(), extra_annotations={DEVICES_TO_ALLOCATE: "garbage"})],
+        [f"{A}-0"],
+        NoMatchingPodError,
         0,
     ),
 ]
@@ -170,7 +202,14 @@ def test_malformed_device_id_is_rejected() -> None:
 
 AMBIGUOUS_CASES = [
     ("same single GPU", [[(A, 1, 1)]], [[(A, 5, 50)]], True),
-    ("different GPUs", [[(A, 1, 1)]], [[(B, 1, 1)]], False),
+    ("different GPUs, same count", [[(A, 1, 1)]], [[(B, 1, 1)]], True),
+    ("different counts on different GPUs", [[(A, 1, 1), (B, 1, 1)]], [[(B, 1, 1)]], False),
+    (
+        "a later container's count collides",
+        [[(A, 1, 1)], [(A, 1, 1), (B, 1, 1)]],
+        [[(B, 1, 1), (B, 1, 1)]],
+        True,
+    ),
     ("different counts on one GPU", [[(A, 1, 1), (A, 1, 1)]], [[(A, 1, 1)]], False),
     ("a later container collides", [[(B, 1, 1)], [(A, 1, 1)]], [[(A, 1, 1)]], True),
     ("nothing left to allocate", [], [[(A, 1, 1)]], False),
@@ -191,8 +230,73 @@ def test_ambiguous_is_true_for_unreadable_annotations() -> None:
     assert ambiguous({DEVICES_TO_ALLOCATE: "x"}, annotations_of(make_pod("b", devices=one())))
 
 
-def test_ambiguous_agrees_with_match_pod() -> None:
-    p, q = make_pod("p", devices=one()), make_pod("q", devices=one())
+def progressed(name: str, devices: Any, done: int) -> dict[str, Any]:
+    """The pod with its first ``done`` containers allocated already."""
+    pod = make_pod(name, devices=devices)
+    pending = [[] if i < done else e for i, e in enumerate(devices)]
+    pod["metadata"]["annotations"][DEVICES_TO_ALLOCATE] = annotations_of(
+        make_pod(name, devices=pending)
+    )[DEVICES_TO_ALLOCATE]
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("name", "a", "b", "expected"), AMBIGUOUS_CASES, ids=[c[0] for c in AMBIGUOUS_CASES]
+)
+def test_ambiguous_agrees_with_match_pod(name: str, a: Any, b: Any, expected: bool) -> None:
+    """Over every admission progress of both pods: when ``ambiguous`` is False each
+    Allocate (ids deliberately on an unrelated GPU) names the right pod and container;
+    when True, some progress state makes match_pod refuse."""
+    refused = False
+    for mine, other in ((a, b), (b, a)):
+        for done in range(len(mine)):
+            if not mine[done]:
+                continue
+            pod = progressed("mine", mine, done)
+            for rival_done in range(len(other) + 1):
+                rival = progressed("rival", other, rival_done)
+                ids = [f"{B}-{i}" for i in range(len(mine[done]))]
+                try:
+                    m = match_pod([pod, rival], NODE, ids)
+                except AmbiguousPodError:
+                    refused = True
+                    continue
+                assert (m.key, m.container_index) == ("default/mine", done)
+    assert refused is expected
+
+
+def test_same_count_next_containers_are_ambiguous_whatever_the_gpus() -> None:
+    p, q = make_pod("p", devices=one(A)), make_pod("q", devices=one(B))
     assert ambiguous(annotations_of(p), annotations_of(q))
-    with pytest.raises(AmbiguousPodError):
-        match_pod([p, q], NODE, [f"{A}-0"])
+    for ids in ([f"{A}-0"], [f"{B}-0"]):
+        with pytest.raises(AmbiguousPodError, match="default/p, default/q"):
+            match_pod([p, q], NODE, ids)
+
+
+# preferred_gpus: what GetPreferredAllocation steers to --------------------------------------
+
+
+def test_preferred_gpus_of_the_unique_candidate_asking_that_count() -> None:
+    pods = [
+        make_pod("one", devices=one(B)),
+        make_pod("two", devices=[[(A, 1, 1), (A, 1, 1)]]),
+        make_pod("elsewhere", node="node-b", devices=one(A)),
+    ]
+    assert preferred_gpus(pods, NODE, 1) == Counter({B: 1})
+    assert preferred_gpus(pods, NODE, 2) == Counter({A: 2})
+    assert preferred_gpus(pods, NODE, 3) is None
+    assert preferred_gpus(pods, NODE, 0) is None
+
+
+def test_preferred_gpus_none_for_same_count_or_unreadable_candidates() -> None:
+    same = [make_pod("p", devices=one(A)), make_pod("q", devices=one(B))]
+    assert preferred_gpus(same, NODE, 1) is None
+    bad = make_pod("bad", devices=one(), extra_annotations={DEVICES_TO_ALLOCATE: "garbage"})
+    assert preferred_gpus([bad, make_pod("p", devices=[[(A, 1, 1), (B, 1, 1)]])], NODE, 2) is None
+
+
+def test_preferred_gpus_follow_the_next_container() -> None:
+    pod = partly_done(make_pod("p", devices=[[(B, 1000, 10)], [(A, 1000, 10)]]))
+    nxt = next_container(annotations_of(pod))
+    assert nxt is not None and nxt[0] == 1
+    assert preferred_gpus([pod], NODE, 1) == Counter({A: 1})

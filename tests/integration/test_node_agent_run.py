@@ -1,0 +1,474 @@
+"""``NodeAgent.run`` against the real apiserver, a simulated NVML and a fake kubelet.
+
+Each test starts the agent of one (plain, not kwok-managed) node in a thread, with a
+``SimulatedNvml`` and ``tests.fake_kubelet.FakeKubelet`` in a temp plugin dir, and plays the
+kubelet's admission of scheduler-annotated pods: GetPreferredAllocation, then Allocate with
+the ids it preferred. Every wait is bounded; every test checks that no thread is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from node_agent.agent import NodeAgent
+from node_agent.mig_manager import InstanceKey
+from node_agent.nvml.errors import Uninitialized
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from node_agent.registration import HANDSHAKE
+from scheduler_plugins.annotations import (
+    BIND_PHASE,
+    BIND_TIME,
+    DEVICES_ALLOCATED,
+    DEVICES_TO_ALLOCATE,
+    MIG_ALLOCATIONS,
+    NODE_REGISTER,
+    VGPU_NODE,
+)
+from scheduler_plugins.config import DeviceConfig, NodeConfig
+from scheduler_plugins.devcluster.testing import ClusterClient
+from scheduler_plugins.kube.client import KubeClient
+from scheduler_plugins.kube.errors import NotFoundError
+from scheduler_plugins.node_register import GpuDevice, Placement, decode
+from scheduler_plugins.pod_annotations import (
+    DeviceAlloc,
+    MigAllocation,
+    decode_mig_allocations,
+    encode_devices,
+    encode_mig_allocations,
+)
+from tests.fake_kubelet import FakeKubelet, PluginConnection
+
+pytestmark = pytest.mark.integration
+
+PODS = "/api/v1/namespaces/default/pods"
+MIG_NODE = "it-run-mig"
+SHARED_NODE = "it-run-shared"
+A100 = "A100-PCIE-40GB"
+CONFIG = DeviceConfig(
+    nodeconfig=(NodeConfig(MIG_NODE, "mig"), NodeConfig(SHARED_NODE, "hami-core"))
+)
+WAIT_S = 20.0
+
+
+def eventually(check: Callable[[], Any], *, timeout_s: float = WAIT_S, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what or check}")
+        time.sleep(0.05)
+
+
+# Fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    # grpc sets a server's shutdown event a moment before its helper threads return.
+    deadline = time.monotonic() + 3.0
+    for t in set(threading.enumerate()) - before:
+        t.join(max(0.0, deadline - time.monotonic()))
+    leaked = [t.name for t in threading.enumerate() if t not in before]
+    assert leaked == []
+
+
+@pytest.fixture
+def api(dev_cluster: ClusterClient) -> Iterator[KubeClient]:
+    with KubeClient.from_kubeconfig(dev_cluster.kubeconfig, timeout_s=15) as client:
+        yield client
+
+
+@pytest.fixture
+def plugin_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="na-"))  # short: Unix socket paths max 107 bytes
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.fixture
+def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
+    k = FakeKubelet(plugin_dir)
+    yield k
+    k.stop()
+
+
+def node_fixture(api: KubeClient, name: str) -> Iterator[str]:
+    api.post("/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        for pod in api.list("/api/v1/pods", field_selector=f"spec.nodeName={name}")["items"]:
+            with contextlib.suppress(NotFoundError):
+                api.delete(f"{PODS}/{pod['metadata']['name']}")
+        api.delete(f"/api/v1/nodes/{name}")
+
+
+@pytest.fixture
+def mig_node(api: KubeClient) -> Iterator[str]:
+    yield from node_fixture(api, MIG_NODE)
+
+
+@pytest.fixture
+def shared_node(api: KubeClient) -> Iterator[str]:
+    yield from node_fixture(api, SHARED_NODE)
+
+
+class Running:
+    """A ``NodeAgent.run`` in a thread; ``close`` stops it and re-raises what it raised."""
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"test-agent-{agent.node_name}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.agent.run(self.stop)
+        except BaseException as e:
+            self.error = e
+
+    def wait_ready(self) -> None:
+        eventually(
+            lambda: self.agent.ready.is_set() or not self.thread.is_alive(), what="agent ready"
+        )
+        assert self.error is None, self.error
+        assert self.agent.ready.is_set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the agent did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+def start_agent(node: str, backend: SimulatedNvml, api: KubeClient, plugin_dir: Path) -> Running:
+    agent = NodeAgent(
+        node,
+        api,
+        backend,
+        CONFIG,
+        plugin_dir=plugin_dir,
+        reconcile_interval_s=0.3,
+        health_interval_s=0.2,
+        register_interval_s=30,
+        plugin_retry_s=0.2,
+        plugin_watch_interval_s=0.1,
+    )
+    running = Running(agent)
+    try:
+        running.wait_ready()
+    except BaseException:
+        running.close()
+        raise
+    return running
+
+
+def registered(api: KubeClient, node: str) -> list[GpuDevice]:
+    def read() -> list[GpuDevice] | None:
+        ann = api.get(f"/api/v1/nodes/{node}")["metadata"].get("annotations") or {}
+        return sorted(decode(ann[NODE_REGISTER]), key=lambda d: d.index) if ann else None
+
+    devices: list[GpuDevice] = eventually(read, what=f"{NODE_REGISTER} on {node}")
+    return devices
+
+
+def scheduled_pod(
+    name: str, node: str, entries: list[list[tuple[str, int, int]]], mig: list[MigAllocation]
+) -> dict[str, Any]:
+    """A pod as the scheduler's bind leaves it (containers c0.., one per entry)."""
+    devices = encode_devices(tuple(tuple(DeviceAlloc(*d) for d in e) for e in entries))
+    ann = {
+        VGPU_NODE: node,
+        BIND_TIME: str(int(time.time())),
+        BIND_PHASE: "allocating",
+        DEVICES_ALLOCATED: devices,
+        DEVICES_TO_ALLOCATE: devices,
+    }
+    if mig:
+        ann[MIG_ALLOCATIONS] = encode_mig_allocations(mig)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": ann},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {"name": f"c{i}", "image": "registry.invalid/cuda:latest"}
+                for i in range(len(entries))
+            ],
+        },
+    }
+
+
+def pod_annotations(api: KubeClient, pod: str) -> dict[str, str]:
+    ann: dict[str, str] = api.get(f"{PODS}/{pod}")["metadata"]["annotations"]
+    return ann
+
+
+def all_ids(conn: PluginConnection) -> list[str]:
+    return [d.ID for d in conn.next_update()]
+
+
+def gis(backend: SimulatedNvml, index: int) -> list[Placement]:
+    """GPU instances of GPU ``index`` from the simulated state (readable in or out of a
+    session)."""
+    gpu = backend.state_snapshot()["gpus"][index]
+    return [Placement(g["start"], g["size"]) for g in gpu["gpuInstances"]]
+
+
+def delete(api: KubeClient, pod: str) -> None:
+    api.delete(f"{PODS}/{pod}")
+
+    def gone() -> bool:
+        try:
+            api.get(f"{PODS}/{pod}")
+        except NotFoundError:
+            return True
+        return False
+
+    eventually(gone, what=f"pod {pod} deleted")
+
+
+# MIG node -------------------------------------------------------------------------------
+
+
+def test_mig_node_allocates_reclaims_and_adopts_after_restart(
+    api: KubeClient, mig_node: str, plugin_dir: Path, kubelet: FakeKubelet, tmp_path: Path
+) -> None:
+    state = tmp_path / "nvml.json"
+    specs = [SimulatedGpuSpec(A100), SimulatedGpuSpec(A100)]
+    backend = SimulatedNvml(specs, state, node_name=mig_node)
+    running = start_agent(mig_node, backend, api, plugin_dir)
+    try:
+        conn = kubelet.next_connection()
+        assert conn.request.resource_name == "nvidia.com/gpu"
+        assert conn.request.endpoint == running.agent.socket_name
+        assert conn.request.options.get_preferred_allocation_available
+        ids = all_ids(conn)
+        devices = registered(api, mig_node)
+        assert len(ids) == sum(d.count for d in devices) == 2 * 10
+        assert [d.mode for d in devices] == ["mig", "mig"]
+        node_ann = api.get(f"/api/v1/nodes/{mig_node}")["metadata"]["annotations"]
+        assert node_ann[HANDSHAKE].startswith("Reported ")
+
+        gpu = devices[1]  # spread would prefer GPU 0: steering must pick GPU 1
+        profile = next(p for p in gpu.mig_profiles if p.name == "2g.10gb")
+        place = profile.placements[1]
+
+        def admit(name: str, placement: Placement) -> tuple[str, MigAllocation]:
+            alloc = MigAllocation(0, 0, gpu.id, profile.name, placement)
+            api.post(
+                PODS,
+                scheduled_pod(
+                    name, mig_node, [[(gpu.id, profile.memory_mb, profile.core)]], [alloc]
+                ),
+            )
+            preferred = conn.preferred(ids, 1)
+            assert preferred == [f"{gpu.id}-0"]
+            envs = dict(conn.allocate(preferred).envs)
+            mig_uuid = envs["NVIDIA_VISIBLE_DEVICES"]
+            assert mig_uuid.startswith("MIG-")
+            ann = pod_annotations(api, name)
+            assert ann[BIND_PHASE] == "success"
+            assert ann[DEVICES_TO_ALLOCATE] == ";"
+            [rec] = decode_mig_allocations(ann[MIG_ALLOCATIONS])
+            assert rec.runtime is not None and rec.runtime.mig_uuid == mig_uuid
+            return mig_uuid, alloc
+
+        admit("run-mig-a", Placement(place.start, place.size))
+        assert gis(backend, 1) == [Placement(place.start, place.size)]
+
+        # The pod goes away: the reconcile loop destroys its instance.
+        delete(api, "run-mig-a")
+        eventually(lambda: gis(backend, 1) == [], what="instance of the deleted pod destroyed")
+
+        # Another pod holds an instance across an agent restart.
+        keep_placement = Placement(profile.placements[0].start, profile.placements[0].size)
+        keep_uuid, _ = admit("run-mig-keep", keep_placement)
+    finally:
+        running.close()
+    assert not running.agent.socket_path.exists()
+    with pytest.raises(Uninitialized):
+        backend.device_count()  # the agent's NVML session is closed
+    backend.shutdown()  # closing twice is harmless
+    assert gis(backend, 1) == [keep_placement]
+
+    restarted = SimulatedNvml(specs, state, node_name=mig_node)
+    running = start_agent(mig_node, restarted, api, plugin_dir)
+    try:
+        kubelet.next_connection()  # registered again
+        manager = running.agent.mig_manager
+        assert manager is not None
+        key = InstanceKey(1, profile.name, keep_placement.start, keep_placement.size)
+        managed = manager.instances()
+        assert set(managed) == {key}
+        assert managed[key].adopted and managed[key].identity.mig_uuid == keep_uuid
+        time.sleep(1.0)  # several reconcile passes
+        assert gis(restarted, 1) == [keep_placement]
+        assert restarted.mig_device_uuid(1, managed[key].identity.gpu_instance_id, 0) == keep_uuid
+
+        delete(api, "run-mig-keep")
+        eventually(lambda: gis(restarted, 1) == [], what="adopted instance reclaimed")
+    finally:
+        running.close()
+    assert not running.agent.socket_path.exists()
+
+
+# hami-core node -------------------------------------------------------------------------
+
+
+def test_shared_node_steers_binds_count_distinct_pods_concurrently_and_pushes_health(
+    api: KubeClient, shared_node: str, plugin_dir: Path, kubelet: FakeKubelet
+) -> None:
+    specs = [SimulatedGpuSpec(A100, mig_enabled=False)] * 2
+    backend = SimulatedNvml(specs, None, node_name=shared_node)
+    running = start_agent(shared_node, backend, api, plugin_dir)
+    try:
+        conn = kubelet.next_connection()
+        ids = all_ids(conn)
+        assert len(ids) == 20
+        g0, g1 = (d.id for d in registered(api, shared_node))
+
+        # Two pods allocating at once on one node, next containers asking 1 and 2 devices.
+        api.post(PODS, scheduled_pod("run-one", shared_node, [[(g1, 3000, 30)]], []))
+        api.post(
+            PODS,
+            scheduled_pod("run-two", shared_node, [[(g0, 2000, 20), (g1, 2000, 20)]], []),
+        )
+        two = conn.preferred(ids, 2)
+        assert sorted(two) == sorted([f"{g0}-0", f"{g1}-0"])
+        envs_two = dict(conn.allocate(two).envs)
+        assert envs_two["NVIDIA_VISIBLE_DEVICES"] == f"{g0},{g1}"
+        assert envs_two["CUDA_DEVICE_MEMORY_LIMIT_0"] == "2000m"
+        assert envs_two["CUDA_DEVICE_MEMORY_LIMIT_1"] == "2000m"
+
+        left = [i for i in ids if i not in two]
+        one = conn.preferred(left, 1)
+        assert one == [f"{g1}-1"]
+        envs_one = dict(conn.allocate(one).envs)
+        assert envs_one["NVIDIA_VISIBLE_DEVICES"] == g1
+        assert envs_one["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
+        assert envs_one["CUDA_DEVICE_SM_LIMIT"] == "30"
+        for pod in ("run-one", "run-two"):
+            ann = pod_annotations(api, pod)
+            assert (ann[BIND_PHASE], ann[DEVICES_TO_ALLOCATE]) == ("success", ";")
+
+        # Two pods whose next containers ask the same count: no steering, no guessing.
+        api.post(PODS, scheduled_pod("run-same-a", shared_node, [[(g0, 1000, 10)]], []))
+        api.post(PODS, scheduled_pod("run-same-b", shared_node, [[(g1, 1000, 10)]], []))
+        assert conn.preferred(left, 1) == [f"{g0}-1"]  # the spread choice
+        with pytest.raises(grpc.RpcError) as err:
+            conn.allocate([f"{g1}-2"])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "refusing to guess" in str(err.value.details())
+        for pod in ("run-same-a", "run-same-b"):
+            assert pod_annotations(api, pod)[BIND_PHASE] == "allocating"
+
+        # A health change reaches ListAndWatch and the register annotation.
+        backend.set_health(0, False)
+        update = {d.ID: d.health for d in conn.next_update()}
+        assert {update[f"{g0}-{s}"] for s in range(10)} == {"Unhealthy"}
+        assert {update[f"{g1}-{s}"] for s in range(10)} == {"Healthy"}
+        eventually(
+            lambda: [d.health for d in registered(api, shared_node)] == [False, True],
+            what="unhealthy GPU registered",
+        )
+    finally:
+        running.close()
+    assert not running.agent.socket_path.exists()
+    assert running.agent.mig_manager is None  # hami-core nodes never touch MIG
+
+
+def test_agent_waits_for_the_kubelet_and_stops_cleanly_without_one(
+    api: KubeClient, shared_node: str, plugin_dir: Path
+) -> None:
+    backend = SimulatedNvml(
+        [SimulatedGpuSpec(A100, mig_enabled=False)], None, node_name=shared_node
+    )
+    agent = NodeAgent(shared_node, api, backend, CONFIG, plugin_dir=plugin_dir, plugin_retry_s=0.1)
+    running = Running(agent)
+    try:
+        registered(api, shared_node)  # registration does not wait for the kubelet
+        assert not agent.ready.is_set()
+        kubelet = FakeKubelet(plugin_dir)
+        try:
+            running.wait_ready()
+            assert len(kubelet.next_connection().next_update()) == 10
+        finally:
+            running.close()
+            kubelet.stop()
+    finally:
+        if running.thread.is_alive():
+            running.close()
+    assert not agent.socket_path.exists()
+
+
+def test_cli_runs_a_simulated_node_and_stops_on_sigterm(
+    api: KubeClient,
+    dev_cluster: ClusterClient,
+    shared_node: str,
+    plugin_dir: Path,
+    kubelet: FakeKubelet,
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "device-config.yaml"
+    config.write_text(
+        f"nvidia:\n  nodeconfig:\n    - name: {shared_node}\n      operatingmode: hami-core\n"
+    )
+    env = {
+        **os.environ,
+        "TESSERA_NVML": "simulated",
+        "TESSERA_SIM_GPUS": f"{A100},{A100}",
+        "TESSERA_SIM_STATE": str(tmp_path / "nvml.json"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "scheduler_plugins.cli",
+        "node-agent",
+        "run",
+        "--node-name",
+        shared_node,
+        "--kubeconfig",
+        str(dev_cluster.kubeconfig),
+        "--config",
+        str(config),
+        "--plugin-dir",
+        str(plugin_dir),
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        conn = kubelet.next_connection()
+        assert len(conn.next_update()) == 20
+        assert len(registered(api, shared_node)) == 2
+        assert (plugin_dir / "tessera-gpu.sock").exists()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 0, out.decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=WAIT_S)
+    assert not (plugin_dir / "tessera-gpu.sock").exists()
