@@ -14,7 +14,7 @@ CLUSTER_NAME ?= tessera
 NODES ?= 0
 PROFILE ?= examples/cluster-profile.yaml
 
-.PHONY: setup demo test lint typecheck unit integration bench tools cluster-up cluster-down cluster-status
+.PHONY: setup demo simulate test lint typecheck unit go-test integration bench tools cluster-up cluster-down cluster-status
 
 ## setup: Python virtualenv with Tessera and its dev tools (re-run when pyproject.toml changes)
 setup: $(STAMP)
@@ -24,12 +24,16 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	touch $@
 
-## demo: the main job — place the shipped example workloads and print where they went and why
-demo: setup
-	@bash hack/demo.sh
+## demo: the main job — local cluster + Tessera scheduling example workloads, printed results
+demo: setup tools
+	$(VENV)/bin/tessera demo
 
-## test: everything — lint, strict typing, unit + property tests, integration tests
-test: lint typecheck unit integration
+## simulate: the offline core on the shipped examples (tessera simulate), no cluster needed
+simulate: setup
+	@bash hack/simulate-examples.sh
+
+## test: everything — lint, strict typing, unit + property tests, Go shim tests, integration tests
+test: lint typecheck unit go-test integration
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -41,6 +45,10 @@ typecheck: setup
 unit: setup
 	$(VENV)/bin/pytest tests/unit tests/property
 
+## go-test: vet and unit-test the Go kube-scheduler shim (sidecar-go) against an in-process server
+go-test:
+	cd sidecar-go && GOTOOLCHAIN=local go vet ./... && GOTOOLCHAIN=local go test ./...
+
 integration: setup tools
 	$(VENV)/bin/pytest tests/integration
 
@@ -49,7 +57,7 @@ bench: setup
 	$(PYTHON) -m benchmarks.placement_quality
 	$(PYTHON) -m benchmarks.decision_latency
 
-## tools: build etcd, kube-apiserver, kubectl and kwok into $(BIN_DIR) (cached; fast when warm)
+## tools: build etcd, kube-apiserver, kubectl, kwok and tessera-scheduler into $(BIN_DIR) (cached)
 tools:
 	bash hack/build-tools.sh
 

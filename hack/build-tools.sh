@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the dev-cluster binaries (etcd, kube-apiserver, kubectl, kwok) from the Go module proxy
-# into $TESSERA_CACHE/bin. Idempotent: a binary is rebuilt only when its inputs change (its tools
-# module's go.mod/go.sum, the package, the ldflags, the Go version, or this script).
+# Builds the dev-cluster binaries (etcd, kube-apiserver, kubectl, kwok) from the Go module proxy,
+# and Tessera's kube-scheduler (tessera-scheduler, from sidecar-go/), into $TESSERA_CACHE/bin.
+# Idempotent: a binary is rebuilt only when its inputs change (its module's go.mod/go.sum, the
+# package, the ldflags, the Go version, this script, and for Tessera's own code its Go sources).
 #
 # Usage: hack/build-tools.sh [--force] [TOOL...]     (default: every tool in the table below)
 # Env:   TESSERA_CACHE (default ~/.cache/tessera), GO_BUILD_P (default 2: the machine has 2 cores)
@@ -36,31 +37,36 @@ kube_ldflags() {
   printf '%s' "${flags}"
 }
 
-# Tool table: NAME MODULE_DIR PACKAGE LDFLAGS_FUNCTION.
-# A later kube-scheduler with Tessera's plugin adds one line here (its own module under
-# hack/tools/ or sidecar-go/), nothing else.
+# Tool table: NAME MODULE_DIR PACKAGE LDFLAGS_FUNCTION [SOURCE_DIR].
+# SOURCE_DIR (optional) names a directory of this repository whose *.go files also key the stamp,
+# for tools built from Tessera's own code rather than only from pinned modules.
 TOOLS=(
   "etcd           hack/tools/kube go.etcd.io/etcd/server/v3           -"
   "kube-apiserver hack/tools/kube k8s.io/kubernetes/cmd/kube-apiserver kube_ldflags"
   "kubectl        hack/tools/kube k8s.io/kubernetes/cmd/kubectl        kube_ldflags"
   "kwok           hack/tools/kwok sigs.k8s.io/kwok/cmd/kwok           -"
+  "tessera-scheduler sidecar-go   tessera/sidecar-go                  kube_ldflags sidecar-go"
 )
 
 stamp_key() {
-  local moddir="$1" pkg="$2" ldflags="$3"
+  local moddir="$1" pkg="$2" ldflags="$3" srcdir="${4:-}"
   {
     go version
     printf '%s\n%s\n' "${pkg}" "${ldflags}"
     cat "${ROOT}/${moddir}/go.mod" "${ROOT}/${moddir}/go.sum"
     cat "${BASH_SOURCE[0]}"
+    if [[ -n "${srcdir}" ]]; then
+      (cd "${ROOT}/${srcdir}" && find . -name '*.go' ! -name '*_test.go' -type f -print0 \
+        | LC_ALL=C sort -z | xargs -0 sha256sum)
+    fi
   } | sha256sum | cut -d' ' -f1
 }
 
 build_one() {
-  local name="$1" moddir="$2" pkg="$3" ldfn="$4" force="$5"
+  local name="$1" moddir="$2" pkg="$3" ldfn="$4" force="$5" srcdir="${6:-}"
   local ldflags="-s -w" key stamp="${STAMP_DIR}/${name}.sha256" started
   [[ "${ldfn}" == "-" ]] || ldflags+=" $("${ldfn}")"
-  key="$(stamp_key "${moddir}" "${pkg}" "${ldflags}")"
+  key="$(stamp_key "${moddir}" "${pkg}" "${ldflags}" "${srcdir}")"
   if [[ "${force}" == 0 && -x "${BIN_DIR}/${name}" && -f "${stamp}" && "$(cat "${stamp}")" == "${key}" ]]; then
     log "${name}: up to date"
     return 0
@@ -76,7 +82,7 @@ build_one() {
 }
 
 main() {
-  local force=0 want=() entry name moddir pkg ldfn found
+  local force=0 want=() entry name moddir pkg ldfn srcdir found
   while (($#)); do
     case "$1" in
       --force) force=1 ;;
@@ -93,14 +99,14 @@ main() {
     for entry in "${TOOLS[@]}"; do
       [[ "${entry%% *}" == "${name}" ]] && found=1
     done
-    ((found)) || { log "unknown tool '${name}'; known: etcd kube-apiserver kubectl kwok"; return 2; }
+    ((found)) || { log "unknown tool '${name}'; known: etcd kube-apiserver kubectl kwok tessera-scheduler"; return 2; }
   done
   for entry in "${TOOLS[@]}"; do
-    read -r name moddir pkg ldfn <<<"${entry}"
+    read -r name moddir pkg ldfn srcdir <<<"${entry}"
     if ((${#want[@]})) && [[ " ${want[*]} " != *" ${name} "* ]]; then
       continue
     fi
-    build_one "${name}" "${moddir}" "${pkg}" "${ldfn}" "${force}"
+    build_one "${name}" "${moddir}" "${pkg}" "${ldfn}" "${force}" "${srcdir}"
   done
 }
 

@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from node_agent.cli import add_node_agent_commands
     from scheduler_plugins.devcluster.cli import add_cluster_commands
+    from scheduler_plugins.devcluster.demo import add_demo_command
     from scheduler_plugins.server.cli import add_plugin_server_commands
 
     add_cluster_commands(sub)
+    add_demo_command(sub)
     add_node_agent_commands(sub)
     add_plugin_server_commands(sub)
 

@@ -53,6 +53,14 @@ def explain(decision: Decision, state: ClusterState) -> str:
     return head + (": " + "; ".join(clauses) if clauses else "")
 
 
+def node_reasons(decision: Decision, state: ClusterState) -> str:
+    """The same clauses without the count header: what a rejected node's Filter status says
+    (kube-scheduler prefixes its own "N node(s)" count)."""
+    text = explain(decision, state)
+    _, _, clauses = text.partition(": ")
+    return f"Tessera: {clauses}" if clauses else "Tessera: does not fit"
+
+
 def _free_intervals(state: ClusterState, nodes: list[str]) -> str:
     parts: list[str] = []
     g = state.gpus

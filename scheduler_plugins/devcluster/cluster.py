@@ -39,6 +39,7 @@ from scheduler_plugins.devcluster.layout import (
     ClusterSettings,
     repo_root,
 )
+from scheduler_plugins.devcluster.stack import stop_stack
 from scheduler_plugins.kube.errors import KubeError
 
 log = structlog.get_logger(__name__)
@@ -140,7 +141,7 @@ class Cluster:
     def down(self, *, purge: bool = False) -> list[str]:
         """Stop every part (also after a crash, from stale pid files); returns what was stopped."""
         s = self.settings
-        stopped: list[str] = []
+        stopped: list[str] = stop_stack(s)  # Tessera's own processes first
         for component in reversed(COMPONENTS):
             record = processes.stop(s.pid_file(component))
             if record is not None:

@@ -100,6 +100,7 @@ class PluginServer:
             self.watches.ready,
             events=self.events,
             prebind_wait_s=prebind_wait_s,
+            max_prebind_waiters=max(1, workers // 2),
         )
         self._workers = workers
         self._executor: ThreadPoolExecutor | None = None

@@ -29,7 +29,7 @@ from scheduler_plugins.binding import bind_annotations
 from scheduler_plugins.decide import Decision, PodPlan, reason_names
 from scheduler_plugins.decide import decide as core_decide
 from scheduler_plugins.errors import InvalidInputError
-from scheduler_plugins.explain import explain
+from scheduler_plugins.explain import explain, node_reasons
 from scheduler_plugins.kube.errors import KubeError, NotFoundError, TemporaryError
 from scheduler_plugins.pods import PodRequest, parse_request
 from scheduler_plugins.server.cache import ClusterCache
@@ -101,6 +101,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         *,
         events: EventRecorder | None = None,
         prebind_wait_s: float = 30.0,
+        max_prebind_waiters: int = 16,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -109,6 +110,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._ready = ready
         self._events = events
         self._prebind_wait_s = prebind_wait_s
+        # A waiting PreBind holds an RPC worker thread; past this many, new waiters are told
+        # to retry (kube-scheduler backs off and requeues) so PreFilter never starves.
+        self._max_prebind_waiters = max_prebind_waiters
+        self._prebind_waiters = 0  # guarded by the cache lock
         self._wall_clock = wall_clock
         self._clock = clock
         self._ids = itertools.count(1)
@@ -180,6 +185,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             scores = normalize_scores(decision.desirability[feasible])
             total = len(decision.layout.names) + len(decision.layout.gpu_less)
             why = explain(decision, self._cache.state) if len(names) < total else ""
+            per_node = node_reasons(decision, self._cache.state) if why else ""
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
             _put(self._requests, ident, req)
@@ -198,7 +204,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             code=pb.PreFilterResponse.OK,
             feasible_nodes=names,
             scores=scores,
-            infeasible_message=why,
+            infeasible_message=per_node,
             decision_id=decision_id,
         )
 
@@ -305,37 +311,48 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if remaining_rpc is not None:
             budget = min(budget, remaining_rpc - _DEADLINE_MARGIN_S)
         deadline = start + budget
-        logged = False
+        waiting = False
         with self._cache.lock:
-            while True:
-                blockers = self._cache.blocking(node, key, annotations)
-                if not blockers:
-                    self._cache.claim(key, node, annotations)
-                    if logged:
+            try:
+                while True:
+                    blockers = self._cache.blocking(node, key, annotations)
+                    if not blockers:
+                        self._cache.claim(key, node, annotations)
+                        if waiting:
+                            log.info(
+                                "done waiting",
+                                pod=key,
+                                node=node,
+                                waited_s=round(self._clock() - start, 3),
+                            )
+                        return
+                    left = deadline - self._clock()
+                    if left <= 0 or not context.is_active():
+                        _abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"pod {key}: waited {max(budget, 0):.1f}s for pod(s) "
+                            f"{', '.join(blockers)} to finish allocating on node {node} (the "
+                            "node agent could not tell them apart); retry later",
+                        )
+                    if not waiting:
+                        if self._prebind_waiters >= self._max_prebind_waiters:
+                            _abort(
+                                grpc.StatusCode.UNAVAILABLE,
+                                f"pod {key}: {self._prebind_waiters} binds are already waiting "
+                                f"for ambiguous pods to finish allocating; retry later",
+                            )
+                        self._prebind_waiters += 1
+                        waiting = True
                         log.info(
-                            "done waiting",
+                            "waiting for ambiguous allocating pods",
                             pod=key,
                             node=node,
-                            waited_s=round(self._clock() - start, 3),
+                            blockers=blockers,
                         )
-                    return
-                left = deadline - self._clock()
-                if left <= 0 or not context.is_active():
-                    _abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"pod {key}: waited {max(budget, 0):.1f}s for pod(s) "
-                        f"{', '.join(blockers)} to finish allocating on node {node} (the node "
-                        "agent could not tell them apart); retry later",
-                    )
-                if not logged:
-                    log.info(
-                        "waiting for ambiguous allocating pods",
-                        pod=key,
-                        node=node,
-                        blockers=blockers,
-                    )
-                    logged = True
-                self._cache.wait_changed(min(left, _WAIT_SLICE_S))
+                    self._cache.wait_changed(min(left, _WAIT_SLICE_S))
+            finally:
+                if waiting:
+                    self._prebind_waiters -= 1
 
     def _check_version(self, version: int) -> None:
         if version != pb.PROTOCOL_VERSION_1:

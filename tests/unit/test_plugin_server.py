@@ -150,7 +150,9 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _harness(short_dir: Path, prebind_wait_s: float, ready: bool) -> Iterator[Harness]:
+def _harness(
+    short_dir: Path, prebind_wait_s: float, ready: bool, max_prebind_waiters: int = 16
+) -> Iterator[Harness]:
     cache = ClusterCache(DeviceConfig())
     kube = FakeKube()
     ev = threading.Event()
@@ -164,6 +166,7 @@ def _harness(short_dir: Path, prebind_wait_s: float, ready: bool) -> Iterator[Ha
         ev,
         events=events,
         prebind_wait_s=prebind_wait_s,
+        max_prebind_waiters=max_prebind_waiters,
         wall_clock=lambda: BIND_TIME,
     )
     executor = ThreadPoolExecutor(8)
@@ -190,6 +193,11 @@ def h(short_dir: Path) -> Iterator[Harness]:
 @pytest.fixture
 def h_short_wait(short_dir: Path) -> Iterator[Harness]:
     yield from _harness(short_dir, prebind_wait_s=0.5, ready=True)
+
+
+@pytest.fixture
+def h_one_waiter(short_dir: Path) -> Iterator[Harness]:
+    yield from _harness(short_dir, prebind_wait_s=5.0, ready=True, max_prebind_waiters=1)
 
 
 @pytest.fixture
@@ -476,6 +484,25 @@ def test_prebind_gives_up_after_its_deadline_naming_the_blocker(h_short_wait: Ha
     assert _code(e) == grpc.StatusCode.UNAVAILABLE
     assert "default/q" in _details(e)
     assert h.kube.patches == []
+
+
+def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harness) -> None:
+    h = h_one_waiter
+    h.cache.apply_node(node_obj("n", *(gpu(f"GPU-{i}", index=i) for i in range(4))))
+    h.cache.apply_pod(_allocating("q", "n", [("GPU-0", 1000, 0)]))
+    h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    first = h.stub.PreBind.future(
+        pb.PreBindRequest(version=V1, pod=ref("p1"), node="n"), timeout=10
+    )
+    time.sleep(0.3)
+    assert not first.done()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p2", "n")
+    assert time.monotonic() - t0 < 2  # told to retry at once, not parked on a worker
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "already waiting" in _details(e)
+    first.cancel()
 
 
 def test_pods_the_node_agent_can_tell_apart_bind_without_waiting(h_short_wait: Harness) -> None:

@@ -1,0 +1,201 @@
+"""Tessera's own processes on a dev cluster: plugin server, scheduler, kwok node agent.
+
+They run like the cluster's components (process group, pid file, log under the cluster's
+state dir) and ``tessera cluster down`` stops them too. The scheduler is the
+``tessera-scheduler`` binary built from ``sidecar-go/`` by ``make tools``; it talks to the
+plugin server over a Unix socket in the cluster's run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import grpc
+import structlog
+import yaml
+
+from api.plugin.v1 import plugin_pb2, plugin_pb2_grpc
+from scheduler_plugins.devcluster import processes
+from scheduler_plugins.devcluster.errors import ClusterError
+from scheduler_plugins.devcluster.layout import ClusterSettings, repo_root
+
+log = structlog.get_logger(__name__)
+
+PLUGIN_SERVER: Final = "plugin-server"
+SCHEDULER: Final = "tessera-scheduler"
+NODE_AGENT: Final = "node-agent"
+STACK: Final = (PLUGIN_SERVER, SCHEDULER, NODE_AGENT)  # start order
+SCHEDULER_NAME: Final = "hami-scheduler"
+
+
+@dataclass(frozen=True)
+class StackPaths:
+    socket: Path
+    scheduler_config: Path
+    agent_state: Path
+
+    @staticmethod
+    def of(s: ClusterSettings) -> StackPaths:
+        return StackPaths(
+            socket=s.run_dir / "tessera" / "plugin.sock",
+            scheduler_config=s.state_dir / "scheduler-config.yaml",
+            agent_state=s.state_dir / "node-agent",
+        )
+
+
+def start_stack(
+    s: ClusterSettings, *, device_config: Path | None = None, timeout_s: float = 60.0
+) -> StackPaths:
+    """Start the three processes and wait until each is ready; stop all on failure."""
+    paths = StackPaths.of(s)
+    scheduler_bin = s.binary(SCHEDULER)
+    if not scheduler_bin.is_file():
+        raise ClusterError(f"{scheduler_bin} is missing: run `make tools` first")
+    paths.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths.agent_state.mkdir(parents=True, exist_ok=True)
+    _write_scheduler_config(paths.scheduler_config, s.kubeconfig, paths.socket)
+    try:
+        for component in STACK:
+            _spawn_ready(s, paths, component, device_config=device_config, timeout_s=timeout_s)
+    except BaseException:
+        stop_stack(s)
+        raise
+    return paths
+
+
+def restart_component(
+    s: ClusterSettings,
+    component: str,
+    *,
+    device_config: Path | None = None,
+    timeout_s: float = 60.0,
+) -> None:
+    """Stop one stack component (if it still runs; a stale pid file is fine) and start it
+    again with the same command line as ``start_stack``, waiting until it is ready."""
+    if component not in STACK:
+        raise ClusterError(f"unknown stack component {component!r}; one of {', '.join(STACK)}")
+    processes.stop(s.pid_file(component))
+    _spawn_ready(s, StackPaths.of(s), component, device_config=device_config, timeout_s=timeout_s)
+
+
+def _spawn_ready(
+    s: ClusterSettings,
+    paths: StackPaths,
+    component: str,
+    *,
+    device_config: Path | None,
+    timeout_s: float,
+) -> None:
+    t0 = time.monotonic()
+    record = processes.spawn(
+        component,
+        _argv(s, paths, component, device_config),
+        log_path=s.log_file(component),
+        pid_path=s.pid_file(component),
+    )
+    processes.wait_ready(
+        record, _probe(s, paths, component), log_path=s.log_file(component), timeout_s=timeout_s
+    )
+    log.info("stack.ready", component=component, seconds=round(time.monotonic() - t0, 2))
+
+
+def _argv(
+    s: ClusterSettings, paths: StackPaths, component: str, device_config: Path | None
+) -> list[str]:
+    tessera = [sys.executable, "-m", "scheduler_plugins.cli"]
+    config_args = ["--config", str(device_config)] if device_config else []
+    if component == PLUGIN_SERVER:
+        return [
+            *tessera,
+            "plugin-server",
+            "--kubeconfig",
+            str(s.kubeconfig),
+            "--socket",
+            str(paths.socket),
+            *config_args,
+        ]
+    if component == SCHEDULER:
+        return [
+            str(s.binary(SCHEDULER)),
+            "--config",
+            str(paths.scheduler_config),
+            "--secure-port",
+            "0",
+            "-v",
+            "2",
+        ]
+    return [
+        *tessera,
+        "node-agent",
+        "kwok",
+        "--kubeconfig",
+        str(s.kubeconfig),
+        "--state-dir",
+        str(paths.agent_state),
+    ]
+
+
+def _probe(s: ClusterSettings, paths: StackPaths, component: str) -> Callable[[], str | None]:
+    if component == PLUGIN_SERVER:
+        return lambda: _probe_plugin_server(paths.socket)
+    if component == SCHEDULER:
+        return lambda: _probe_log(
+            s.log_file(SCHEDULER),
+            "Attempting to acquire leader lease",
+            "Starting Kubernetes Scheduler",
+        )
+    return lambda: None
+
+
+def stop_stack(s: ClusterSettings) -> list[str]:
+    stopped: list[str] = []
+    for component in reversed(STACK):
+        if processes.stop(s.pid_file(component)) is not None:
+            stopped.append(component)
+    return stopped
+
+
+def _write_scheduler_config(path: Path, kubeconfig: Path, socket: Path) -> None:
+    template = repo_root() / "examples" / "scheduler-config.yaml"
+    cfg: dict[str, Any] = yaml.safe_load(template.read_text())
+    cfg["clientConnection"]["kubeconfig"] = str(kubeconfig)
+    for profile in cfg["profiles"]:
+        for plugin in profile.get("pluginConfig", []):
+            if plugin.get("name") == "Tessera":
+                plugin["args"]["socket"] = str(socket)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def _probe_plugin_server(socket: Path) -> str | None:
+    """None once the server answers (ready); else why not yet."""
+    if not socket.exists():
+        return "no socket yet"
+    pod = {"metadata": {"name": "probe", "namespace": "default"}, "spec": {"containers": []}}
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        stub = plugin_pb2_grpc.SchedulerStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            stub.PreFilter(
+                plugin_pb2.PreFilterRequest(
+                    version=plugin_pb2.PROTOCOL_VERSION_1,
+                    pod=plugin_pb2.PodRef(namespace="default", name="probe"),
+                    pod_json=json.dumps(pod).encode(),
+                ),
+                timeout=2.0,
+            )
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details()}"
+    return None
+
+
+def _probe_log(path: Path, *markers: str) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "no log yet"
+    return None if any(m in text for m in markers) else "not started yet"

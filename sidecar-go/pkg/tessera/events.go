@@ -1,0 +1,50 @@
+package tessera
+
+import (
+	"context"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// EventsToRegister lists what can make a pod this plugin rejected fit: a node added or its GPU
+// registration annotation changed, and a GPU pod deleted or changed (finished, or its allocation
+// annotations rewritten by the node agent).
+func (p *Plugin) EventsToRegister(_ context.Context) ([]fwk.ClusterEventWithHint, error) {
+	return []fwk.ClusterEventWithHint{
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeAnnotation | fwk.UpdateNodeAllocatable}},
+		{Event: fwk.ClusterEvent{Resource: fwk.Pod, ActionType: fwk.Delete | fwk.Update}, QueueingHintFn: p.isGPUPodChange},
+	}, nil
+}
+
+// isGPUPodChange requeues for changes to other pods that hold Tessera resources, and for the
+// rejected pod's own policy annotations changing (its container requests are immutable).
+func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj interface{}) (fwk.QueueingHint, error) {
+	oldPod, _ := oldObj.(*v1.Pod)
+	newPod, _ := newObj.(*v1.Pod)
+	for _, other := range []*v1.Pod{newPod, oldPod} {
+		if other == nil {
+			continue
+		}
+		if other.UID == pod.UID {
+			if oldPod != nil && newPod != nil && policyChanged(oldPod, newPod) {
+				return fwk.Queue, nil
+			}
+			return fwk.QueueSkip, nil
+		}
+		if p.resources.requested(other) {
+			return fwk.Queue, nil
+		}
+	}
+	return fwk.QueueSkip, nil
+}
+
+func policyChanged(oldPod, newPod *v1.Pod) bool {
+	for _, key := range policyAnnotations {
+		if oldPod.Annotations[key] != newPod.Annotations[key] {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,225 @@
+package tessera
+
+import (
+	"context"
+	"net"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+
+	"tessera/sidecar-go/pkg/pluginv1"
+)
+
+// fakeServer is an in-process plugin server on a real Unix socket. It answers with whatever the
+// test set and records every call, so tests can count round trips.
+type fakeServer struct {
+	pluginv1.UnimplementedSchedulerServer
+
+	mu         sync.Mutex
+	calls      map[string]int
+	preFilter  *pluginv1.PreFilterResponse
+	err        error         // returned by every method when set
+	delay      time.Duration // before answering
+	lastPF     *pluginv1.PreFilterRequest
+	lastRes    *pluginv1.ReserveRequest
+	lastUnres  *pluginv1.UnreserveRequest
+	lastBind   *pluginv1.PreBindRequest
+	traceparts []string
+}
+
+func (s *fakeServer) record(ctx context.Context, method string) error {
+	s.mu.Lock()
+	s.calls[method]++
+	if md, ok := metadata.FromIncomingContext(ctx); ok {
+		s.traceparts = append(s.traceparts, md.Get("traceparent")...)
+	}
+	delay, err := s.delay, s.err
+	s.mu.Unlock()
+	if delay > 0 {
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return err
+}
+
+func (s *fakeServer) PreFilter(ctx context.Context, req *pluginv1.PreFilterRequest) (*pluginv1.PreFilterResponse, error) {
+	if err := s.record(ctx, "PreFilter"); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.lastPF = req
+	return s.preFilter, nil
+}
+
+func (s *fakeServer) Reserve(ctx context.Context, req *pluginv1.ReserveRequest) (*pluginv1.ReserveResponse, error) {
+	if err := s.record(ctx, "Reserve"); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.lastRes = req
+	return &pluginv1.ReserveResponse{}, nil
+}
+
+func (s *fakeServer) Unreserve(ctx context.Context, req *pluginv1.UnreserveRequest) (*pluginv1.UnreserveResponse, error) {
+	s.mu.Lock()
+	s.lastUnres = req
+	s.mu.Unlock()
+	if err := s.record(ctx, "Unreserve"); err != nil {
+		return nil, err
+	}
+	return &pluginv1.UnreserveResponse{}, nil
+}
+
+func (s *fakeServer) PreBind(ctx context.Context, req *pluginv1.PreBindRequest) (*pluginv1.PreBindResponse, error) {
+	if err := s.record(ctx, "PreBind"); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.lastBind = req
+	return &pluginv1.PreBindResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
+}
+
+func (s *fakeServer) set(f func(s *fakeServer)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f(s)
+}
+
+// last returns the latest request of each kind (for assertions after a call).
+func (s *fakeServer) last() (*pluginv1.PreFilterRequest, *pluginv1.ReserveRequest, *pluginv1.UnreserveRequest, *pluginv1.PreBindRequest) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lastPF, s.lastRes, s.lastUnres, s.lastBind
+}
+
+func (s *fakeServer) count(method string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.calls[method]
+}
+
+func (s *fakeServer) total() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, c := range s.calls {
+		n += c
+	}
+	return n
+}
+
+// startFake serves a fakeServer on a Unix socket in a temp dir and returns it with a plugin built
+// by New (the production path: args decoding, dial, interceptor). Both stop when the test ends.
+func startFake(t *testing.T, args *Args) (*fakeServer, *Plugin) {
+	t.Helper()
+	socket := filepath.Join(t.TempDir(), "plugin.sock")
+	lis, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	srv := grpc.NewServer()
+	fake := &fakeServer{calls: map[string]int{}}
+	pluginv1.RegisterSchedulerServer(srv, fake)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	if args == nil {
+		args = &Args{}
+	}
+	args.Socket = socket
+	return fake, newTestPlugin(t, args)
+}
+
+func newTestPlugin(t *testing.T, args *Args) *Plugin {
+	t.Helper()
+	pl, err := New(context.Background(), args, nil)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	p := pl.(*Plugin)
+	t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+// podBuilder builds test pods: makePod("p").gpu(1).mem(3000).annotate(k, v).obj().
+type podBuilder struct{ pod *v1.Pod }
+
+func makePod(name string) *podBuilder {
+	return &podBuilder{pod: &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", UID: types.UID("uid-" + name)},
+		Spec: v1.PodSpec{Containers: []v1.Container{{
+			Name: "main",
+			Resources: v1.ResourceRequirements{
+				Limits:   v1.ResourceList{v1.ResourceCPU: resource.MustParse("1")},
+				Requests: v1.ResourceList{v1.ResourceCPU: resource.MustParse("1")},
+			},
+		}}},
+	}}
+}
+
+func (b *podBuilder) limit(name string, value string) *podBuilder {
+	b.pod.Spec.Containers[0].Resources.Limits[v1.ResourceName(name)] = resource.MustParse(value)
+	return b
+}
+
+func (b *podBuilder) gpu(n string) *podBuilder { return b.limit(DefaultResourceCountName, n) }
+func (b *podBuilder) mem(n string) *podBuilder { return b.limit(DefaultResourceMemoryName, n) }
+
+func (b *podBuilder) initLimit(name, value string) *podBuilder {
+	b.pod.Spec.InitContainers = append(b.pod.Spec.InitContainers, v1.Container{
+		Name:      "init",
+		Resources: v1.ResourceRequirements{Limits: v1.ResourceList{v1.ResourceName(name): resource.MustParse(value)}},
+	})
+	return b
+}
+
+func (b *podBuilder) annotate(k, v string) *podBuilder {
+	if b.pod.Annotations == nil {
+		b.pod.Annotations = map[string]string{}
+	}
+	b.pod.Annotations[k] = v
+	return b
+}
+
+func (b *podBuilder) label(k, v string) *podBuilder {
+	if b.pod.Labels == nil {
+		b.pod.Labels = map[string]string{}
+	}
+	b.pod.Labels[k] = v
+	return b
+}
+
+func (b *podBuilder) obj() *v1.Pod { return b.pod }
+
+func nodeInfo(name string) fwk.NodeInfo {
+	ni := framework.NewNodeInfo()
+	ni.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+	return ni
+}
+
+func newState() fwk.CycleState { return framework.NewCycleState() }
+
+func okResponse() *pluginv1.PreFilterResponse {
+	return &pluginv1.PreFilterResponse{
+		Code:              pluginv1.PreFilterResponse_OK,
+		FeasibleNodes:     []string{"n1", "n2"},
+		Scores:            []int64{30, 80},
+		InfeasibleMessage: "insufficient GPU memory (want 3000 MiB, largest free 2048 MiB)",
+		DecisionId:        42,
+	}
+}

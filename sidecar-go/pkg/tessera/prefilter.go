@@ -1,0 +1,110 @@
+package tessera
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	v1 "k8s.io/api/core/v1"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"tessera/sidecar-go/pkg/pluginv1"
+)
+
+const decisionKey fwk.StateKey = Name + "/decision"
+
+// decision is the plugin server's answer for one pod in one cycle. It is never mutated after
+// PreFilter, so Clone can share it.
+type decision struct {
+	id uint64
+	// scores holds every feasible node's score; a node absent here does not fit.
+	scores            map[string]int64
+	infeasibleMessage string
+}
+
+// Clone implements fwk.StateData.
+func (d *decision) Clone() fwk.StateData { return d }
+
+func readDecision(state fwk.CycleState) (*decision, error) {
+	data, err := state.Read(decisionKey)
+	if err != nil {
+		return nil, errNoDecision
+	}
+	d, ok := data.(*decision)
+	if !ok {
+		return nil, fmt.Errorf("%s: CycleState %q holds %T, want *decision", Name, decisionKey, data)
+	}
+	return d, nil
+}
+
+func podRef(pod *v1.Pod) *pluginv1.PodRef {
+	return &pluginv1.PodRef{Namespace: pod.Namespace, Name: pod.Name, Uid: string(pod.UID)}
+}
+
+// PreFilter asks the plugin server, once per cycle, for every node's verdict and score. A pod
+// that requests no Tessera resource is skipped without a call.
+func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+	if !p.resources.requested(pod) {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
+	// managedFields is often the bulk of a pod's JSON and nothing the server reads.
+	trimmed := *pod
+	trimmed.ManagedFields = nil
+	podJSON, err := json.Marshal(&trimmed)
+	if err != nil {
+		return nil, fwk.AsStatus(fmt.Errorf("%s: encoding pod %s/%s: %w", Name, pod.Namespace, pod.Name, err))
+	}
+	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
+	defer cancel()
+	resp, err := p.client.PreFilter(callCtx, &pluginv1.PreFilterRequest{
+		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
+		Pod:     podRef(pod),
+		PodJson: podJSON,
+	})
+	if err != nil {
+		return nil, rpcFailure("PreFilter", p.args.Timeout.Duration, err)
+	}
+	switch resp.GetCode() {
+	case pluginv1.PreFilterResponse_OK:
+		return storeDecision(state, resp)
+	case pluginv1.PreFilterResponse_SKIP:
+		return nil, fwk.NewStatus(fwk.Skip)
+	case pluginv1.PreFilterResponse_UNSCHEDULABLE, pluginv1.PreFilterResponse_INVALID:
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, resp.GetMessage())
+	default:
+		return nil, fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreFilter: unknown response code %v", resp.GetCode()))
+	}
+}
+
+func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk.PreFilterResult, *fwk.Status) {
+	nodes, scores := resp.GetFeasibleNodes(), resp.GetScores()
+	if len(nodes) != len(scores) {
+		return nil, fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreFilter: %d feasible nodes but %d scores", len(nodes), len(scores)))
+	}
+	if len(nodes) == 0 {
+		msg := resp.GetInfeasibleMessage()
+		if msg == "" {
+			msg = resp.GetMessage()
+		}
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, msg)
+	}
+	d := &decision{
+		id:                resp.GetDecisionId(),
+		scores:            make(map[string]int64, len(nodes)),
+		infeasibleMessage: resp.GetInfeasibleMessage(),
+	}
+	for i, n := range nodes {
+		d.scores[n] = scores[i]
+	}
+	state.Write(decisionKey, d)
+	// No PreFilterResult node set: Filter (a map lookup) rejects the other nodes with the
+	// server's explanation, so it reaches the pod's PodScheduled condition even when another
+	// plugin's PreFilter (e.g. NodeAffinity) restricts the nodes to ones Tessera rejects —
+	// with a node set, kube-scheduler would only say the sets don't intersect.
+	return nil, nil
+}
+
+// PreFilterExtensions returns nil: the server's verdicts do not yet answer "what if these pods
+// were added or removed", so preemption cannot free GPUs through this plugin (a later protocol
+// version adds it).
+func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return nil }

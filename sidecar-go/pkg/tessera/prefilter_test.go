@@ -1,0 +1,193 @@
+package tessera
+
+import (
+	"context"
+	"encoding/json"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"tessera/sidecar-go/pkg/pluginv1"
+)
+
+func TestPreFilterSkipsPodsWithoutTesseraResourcesWithoutRPC(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	for name, pod := range map[string]*v1.Pod{
+		"cpu only":       makePod("cpu").obj(),
+		"zero gpu limit": makePod("zero").gpu("0").obj(),
+	} {
+		t.Run(name, func(t *testing.T) {
+			state := newState()
+			res, st := p.PreFilter(context.Background(), state, pod, nil)
+			if st.Code() != fwk.Skip || res != nil {
+				t.Fatalf("PreFilter = %v, %v; want nil, Skip", res, st)
+			}
+			if st := p.PreScore(context.Background(), state, pod, nil); st.Code() != fwk.Skip {
+				t.Errorf("PreScore = %v, want Skip", st)
+			}
+			if st := p.Reserve(context.Background(), state, pod, "n1"); !st.IsSuccess() {
+				t.Errorf("Reserve = %v, want Success", st)
+			}
+			p.Unreserve(context.Background(), state, pod, "n1")
+			if _, st := p.PreBindPreFlight(context.Background(), state, pod, "n1"); st.Code() != fwk.Skip {
+				t.Errorf("PreBindPreFlight = %v, want Skip", st)
+			}
+			if st := p.PreBind(context.Background(), state, pod, "n1"); !st.IsSuccess() {
+				t.Errorf("PreBind = %v, want Success", st)
+			}
+		})
+	}
+	if n := fake.total(); n != 0 {
+		t.Errorf("server got %d calls for non-GPU pods, want 0", n)
+	}
+}
+
+func TestPreFilterDecisionServesFilterAndScoreWithoutFurtherRPC(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	pod := makePod("gpu").gpu("1").mem("3000").annotate("nvidia.com/vgpu-mode", "mig").obj()
+	pod.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl"}}
+	state := newState()
+	ctx := context.Background()
+
+	res, st := p.PreFilter(ctx, state, pod, nil)
+	if !st.IsSuccess() {
+		t.Fatalf("PreFilter status = %v", st)
+	}
+	if res != nil {
+		t.Errorf("PreFilterResult = %v, want nil (Filter explains rejected nodes)", res)
+	}
+	for _, n := range []string{"n1", "n2"} {
+		if st := p.Filter(ctx, state, pod, nodeInfo(n)); !st.IsSuccess() {
+			t.Errorf("Filter(%s) = %v, want Success", n, st)
+		}
+	}
+	st = p.Filter(ctx, state, pod, nodeInfo("n3"))
+	if st.Code() != fwk.Unschedulable || !strings.Contains(st.Message(), "insufficient GPU memory") {
+		t.Errorf("Filter(n3) = %v, want Unschedulable with the server's infeasible message", st)
+	}
+	if st := p.PreScore(ctx, state, pod, nil); !st.IsSuccess() {
+		t.Errorf("PreScore = %v, want Success", st)
+	}
+	for n, want := range map[string]int64{"n1": 30, "n2": 80} {
+		if got, st := p.Score(ctx, state, pod, nodeInfo(n)); got != want || !st.IsSuccess() {
+			t.Errorf("Score(%s) = %d, %v; want %d", n, got, st, want)
+		}
+	}
+	// A cloned state (preemption, batching) still carries the decision.
+	if st := p.Filter(ctx, state.Clone(), pod, nodeInfo("n1")); !st.IsSuccess() {
+		t.Errorf("Filter on cloned state = %v", st)
+	}
+	if n, total := fake.count("PreFilter"), fake.total(); n != 1 || total != 1 {
+		t.Errorf("calls: %d PreFilter of %d total, want exactly one PreFilter", n, total)
+	}
+
+	req, _, _, _ := fake.last()
+	if req.GetVersion() != pluginv1.ProtocolVersion_PROTOCOL_VERSION_1 {
+		t.Errorf("version = %v", req.GetVersion())
+	}
+	if r := req.GetPod(); r.GetNamespace() != "default" || r.GetName() != "gpu" || r.GetUid() != "uid-gpu" {
+		t.Errorf("pod ref = %v", r)
+	}
+	var sent v1.Pod
+	if err := json.Unmarshal(req.GetPodJson(), &sent); err != nil {
+		t.Fatalf("pod_json: %v", err)
+	}
+	if sent.Annotations["nvidia.com/vgpu-mode"] != "mig" || sent.Spec.Containers[0].Resources.Limits.Name(DefaultResourceMemoryName, "").Value() != 3000 {
+		t.Errorf("pod_json lost annotations or limits: %s", req.GetPodJson())
+	}
+	if sent.ManagedFields != nil || pod.ManagedFields == nil {
+		t.Errorf("managedFields: sent %v, caller's pod now %v; want dropped from the request only", sent.ManagedFields, pod.ManagedFields)
+	}
+}
+
+func TestPreFilterMapsServerVerdicts(t *testing.T) {
+	cases := []struct {
+		name     string
+		resp     *pluginv1.PreFilterResponse
+		wantCode fwk.Code
+		wantMsg  string
+	}{
+		{"unschedulable", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_UNSCHEDULABLE, Message: "0/3 nodes: fragmentation, free [0,1)"},
+			fwk.UnschedulableAndUnresolvable, "fragmentation"},
+		{"invalid", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_INVALID, Message: "gpucores 150 > 100"},
+			fwk.UnschedulableAndUnresolvable, "gpucores 150"},
+		{"server skip", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}, fwk.Skip, ""},
+		{"ok but no node", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_OK, InfeasibleMessage: "no GPU node"},
+			fwk.UnschedulableAndUnresolvable, "no GPU node"},
+		{"scores do not match nodes", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_OK, FeasibleNodes: []string{"n1"}},
+			fwk.Error, "1 feasible nodes but 0 scores"},
+		{"unknown code", &pluginv1.PreFilterResponse{Code: 99}, fwk.Error, "unknown response code"},
+	}
+	fake, p := startFake(t, nil)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			fake.set(func(s *fakeServer) { s.preFilter = tc.resp })
+			state := newState()
+			_, st := p.PreFilter(context.Background(), state, makePod("p").gpu("1").obj(), nil)
+			if st.Code() != tc.wantCode || !strings.Contains(st.Message(), tc.wantMsg) {
+				t.Errorf("PreFilter = %v (%q), want %v containing %q", st.Code(), st.Message(), tc.wantCode, tc.wantMsg)
+			}
+			if _, err := readDecision(state); err == nil {
+				t.Errorf("a decision was stored for a rejected pod")
+			}
+		})
+	}
+}
+
+// Every transport or server failure must keep a GPU pod Pending (never Success or Skip) with a
+// message that names the plugin server, and must leave no decision that Reserve could act on.
+func TestPreFilterFailuresKeepGPUPodPending(t *testing.T) {
+	cases := []struct {
+		name    string
+		setup   func(t *testing.T) *Plugin
+		wantMsg string
+	}{
+		{"server down", func(t *testing.T) *Plugin {
+			return newTestPlugin(t, &Args{Socket: filepath.Join(t.TempDir(), "absent.sock")})
+		}, "tessera plugin server unavailable: PreFilter"},
+		{"deadline", func(t *testing.T) *Plugin {
+			fake, p := startFake(t, &Args{Timeout: metav1Duration(50 * time.Millisecond)})
+			fake.set(func(s *fakeServer) { s.preFilter, s.delay = okResponse(), 5*time.Second })
+			return p
+		}, "tessera plugin server unavailable: no PreFilter answer within 50ms"},
+		{"server error", func(t *testing.T) *Plugin {
+			fake, p := startFake(t, nil)
+			fake.set(func(s *fakeServer) { s.err = status.Error(codes.Internal, "model not loaded") })
+			return p
+		}, "tessera plugin server failed PreFilter"},
+		{"version refused", func(t *testing.T) *Plugin {
+			fake, p := startFake(t, nil)
+			fake.set(func(s *fakeServer) { s.err = status.Error(codes.FailedPrecondition, "protocol version 1 unsupported") })
+			return p
+		}, "protocol version 1 unsupported"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := tc.setup(t)
+			state := newState()
+			start := time.Now()
+			_, st := p.PreFilter(context.Background(), state, makePod("p").gpu("1").obj(), nil)
+			if st.IsSuccess() || st.IsSkip() || !strings.Contains(st.Message(), tc.wantMsg) {
+				t.Fatalf("PreFilter = %v %q; want a failure containing %q", st.Code(), st.Message(), tc.wantMsg)
+			}
+			if st.Code() != fwk.Error {
+				t.Errorf("code = %v, want Error (backoff retry, no preemption)", st.Code())
+			}
+			if elapsed := time.Since(start); elapsed > 3*time.Second {
+				t.Errorf("PreFilter took %v; the deadline was not applied", elapsed)
+			}
+			if _, err := readDecision(state); err == nil {
+				t.Errorf("a decision was stored after a failed PreFilter")
+			}
+		})
+	}
+}

@@ -1,0 +1,62 @@
+package tessera
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"tessera/sidecar-go/pkg/pluginv1"
+)
+
+// Reserve asks the server to count the pod's devices on the chosen node now, before binding.
+func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
+	d, err := readDecision(state)
+	if errors.Is(err, errNoDecision) {
+		return nil // not a Tessera pod
+	}
+	if err != nil {
+		return fwk.AsStatus(err)
+	}
+	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
+	defer cancel()
+	_, err = p.client.Reserve(callCtx, &pluginv1.ReserveRequest{
+		Version:    pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
+		Pod:        podRef(pod),
+		Node:       nodeName,
+		DecisionId: d.id,
+	})
+	if err == nil {
+		return nil
+	}
+	if st, _ := status.FromError(err); st.Code() == codes.Aborted {
+		// Another pod took the devices since PreFilter: an ordinary scheduling miss.
+		return fwk.NewStatus(fwk.Unschedulable, fmt.Sprintf("node %s no longer fits: %s", nodeName, st.Message()))
+	}
+	return rpcFailure("Reserve", p.args.Timeout.Duration, err)
+}
+
+// Unreserve releases what Reserve counted. The server's Unreserve is idempotent and the framework
+// ignores failures here, so errors are only logged; the server also drops reservations that are
+// never bound when it rebuilds from the API.
+func (p *Plugin) Unreserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) {
+	if _, err := readDecision(state); err != nil {
+		return
+	}
+	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
+	defer cancel()
+	_, err := p.client.Unreserve(callCtx, &pluginv1.UnreserveRequest{
+		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
+		Pod:     podRef(pod),
+		Node:    nodeName,
+	})
+	if err != nil {
+		klog.FromContext(ctx).Error(describeRPCError("Unreserve", p.args.Timeout.Duration, err),
+			"Unreserve failed", "plugin", Name, "pod", klog.KObj(pod), "node", nodeName)
+	}
+}

@@ -1,0 +1,97 @@
+package tessera
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// decided runs a successful PreFilter so the state holds decision 42.
+func decided(t *testing.T, fake *fakeServer, p *Plugin) fwk.CycleState {
+	t.Helper()
+	fake.set(func(s *fakeServer) { s.preFilter, s.err = okResponse(), nil })
+	state := newState()
+	if _, st := p.PreFilter(context.Background(), state, makePod("p").gpu("1").obj(), nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	return state
+}
+
+func TestReserveSendsDecisionAndMapsErrors(t *testing.T) {
+	fake, p := startFake(t, nil)
+	pod := makePod("p").gpu("1").obj()
+	ctx := context.Background()
+
+	state := decided(t, fake, p)
+	if st := p.Reserve(ctx, state, pod, "n2"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	if _, r, _, _ := fake.last(); r.GetNode() != "n2" || r.GetDecisionId() != 42 || r.GetPod().GetUid() != "uid-p" {
+		t.Errorf("ReserveRequest = %v", r)
+	}
+
+	cases := []struct {
+		name     string
+		err      error
+		wantCode fwk.Code
+		wantMsg  string
+	}{
+		{"node taken meanwhile", status.Error(codes.Aborted, "GPU-1 full"), fwk.Unschedulable, "node n2 no longer fits: GPU-1 full"},
+		{"server down", status.Error(codes.Unavailable, "connection refused"), fwk.Error, "tessera plugin server unavailable: Reserve"},
+		{"server error", status.Error(codes.Internal, "boom"), fwk.Error, "tessera plugin server failed Reserve"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			state := decided(t, fake, p)
+			fake.set(func(s *fakeServer) { s.err = tc.err })
+			st := p.Reserve(ctx, state, pod, "n2")
+			if st.Code() != tc.wantCode || !strings.Contains(st.Message(), tc.wantMsg) {
+				t.Errorf("Reserve = %v %q, want %v containing %q", st.Code(), st.Message(), tc.wantCode, tc.wantMsg)
+			}
+		})
+	}
+}
+
+func TestUnreserveCallsServerAndOnlyLogsErrors(t *testing.T) {
+	fake, p := startFake(t, nil)
+	pod := makePod("p").gpu("1").obj()
+	state := decided(t, fake, p)
+
+	p.Unreserve(context.Background(), state, pod, "n1")
+	if _, _, r, _ := fake.last(); r.GetNode() != "n1" || r.GetPod().GetName() != "p" {
+		t.Errorf("UnreserveRequest = %v", r)
+	}
+	fake.set(func(s *fakeServer) { s.err = status.Error(codes.Unavailable, "down") })
+	p.Unreserve(context.Background(), state, pod, "n1") // must not panic or block
+	if n := fake.count("Unreserve"); n != 2 {
+		t.Errorf("Unreserve calls = %d, want 2 (each call forwarded; the server is idempotent)", n)
+	}
+}
+
+func TestPreBindPersistsOrFailsWithError(t *testing.T) {
+	fake, p := startFake(t, nil)
+	pod := makePod("p").gpu("1").obj()
+	ctx := context.Background()
+	state := decided(t, fake, p)
+
+	res, st := p.PreBindPreFlight(ctx, state, pod, "n1")
+	if !st.IsSuccess() || res == nil || !res.AllowParallel {
+		t.Errorf("PreBindPreFlight = %v, %v; want Success with AllowParallel", res, st)
+	}
+	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("PreBind = %v", st)
+	}
+	if _, _, _, r := fake.last(); r.GetNode() != "n1" || r.GetPod().GetUid() != "uid-p" {
+		t.Errorf("PreBindRequest = %v", r)
+	}
+	for _, err := range []error{status.Error(codes.Unavailable, "down"), status.Error(codes.Internal, "patch conflict")} {
+		fake.set(func(s *fakeServer) { s.err = err })
+		if st := p.PreBind(ctx, state, pod, "n1"); st.Code() != fwk.Error || !strings.Contains(st.Message(), "PreBind") {
+			t.Errorf("PreBind with %v = %v %q, want Error naming PreBind", err, st.Code(), st.Message())
+		}
+	}
+}
