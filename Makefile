@@ -50,7 +50,7 @@ go-test:
 	cd sidecar-go && GOTOOLCHAIN=local go vet ./... && GOTOOLCHAIN=local go test ./...
 
 integration: setup tools
-	$(VENV)/bin/pytest tests/integration
+	$(VENV)/bin/pytest tests/integration tests/e2e
 
 ## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality)
 bench: setup

@@ -53,11 +53,10 @@ def explain(decision: Decision, state: ClusterState) -> str:
     return head + (": " + "; ".join(clauses) if clauses else "")
 
 
-def node_reasons(decision: Decision, state: ClusterState) -> str:
-    """The same clauses without the count header: what a rejected node's Filter status says
-    (kube-scheduler prefixes its own "N node(s)" count)."""
-    text = explain(decision, state)
-    _, _, clauses = text.partition(": ")
+def node_reasons(explanation: str) -> str:
+    """An ``explain`` text without its count header: what a rejected node's Filter status
+    says (kube-scheduler prefixes its own "0/N nodes are available" and node counts)."""
+    _, _, clauses = explanation.partition(": ")
     return f"Tessera: {clauses}" if clauses else "Tessera: does not fit"
 
 

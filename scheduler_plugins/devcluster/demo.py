@@ -109,7 +109,7 @@ def workloads(mig_empty: str, mig_fragmented: str) -> list[Workload]:
     ]
 
 
-def _fragmenting_pod(node: str, gpu_uuid: str) -> dict[str, Any]:
+def fragmenting_pod(node: str, gpu_uuid: str) -> dict[str, Any]:
     """A running pod holding 1g.5gb at slices 1, 3 and 5, as if scheduled earlier."""
     allocs = [
         {
@@ -234,7 +234,7 @@ def run_demo(settings: ClusterSettings, *, keep: bool, timeout_s: float) -> int:
                     mig_nodes.append((name, register[0]["id"]))
             (mig_empty, _), (mig_frag, frag_gpu) = mig_nodes[:2]
             start_stack(settings, timeout_s=timeout_s)
-            api.post(f"/api/v1/namespaces/{NAMESPACE}/pods", _fragmenting_pod(mig_frag, frag_gpu))
+            api.post(f"/api/v1/namespaces/{NAMESPACE}/pods", fragmenting_pod(mig_frag, frag_gpu))
             items = workloads(mig_empty, mig_frag)
             for w in items:
                 api.post(f"/api/v1/namespaces/{NAMESPACE}/pods", w.pod)
@@ -274,4 +274,4 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(settings, keep=a.keep, timeout_s=a.timeout)
 
 
-__all__ = ["add_demo_command", "run_demo", "workloads"]
+__all__ = ["add_demo_command", "fragmenting_pod", "run_demo", "workloads"]

@@ -1,4 +1,4 @@
-"""Helpers for tests that run against a dev cluster (used by tests/integration/conftest.py)."""
+"""Helpers for tests that run against a dev cluster (tests/integration, tests/e2e)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from scheduler_plugins.devcluster.errors import ClusterError
 from scheduler_plugins.devcluster.kubeapi import KubeApi
-from scheduler_plugins.devcluster.layout import LOOPBACK, ClusterSettings, default_cache_dir
+from scheduler_plugins.devcluster.layout import (
+    LOOPBACK,
+    ClusterSettings,
+    default_cache_dir,
+    repo_root,
+)
 from scheduler_plugins.devcluster.nodes import NodeProfile
 
 
@@ -61,3 +67,23 @@ def settings_in(state_dir: Path, name: str) -> ClusterSettings:
         kwok_port=kwok,
         state_dir_override=state_dir,
     )
+
+
+def build_tools(timeout_s: float = 3600.0) -> Path:
+    """Run ``hack/build-tools.sh`` (seconds when cached, many minutes cold); returns the bin dir.
+
+    Raises ClusterError with the script's stderr tail when it fails or runs too long.
+    """
+    script = repo_root() / "hack" / "build-tools.sh"
+    try:
+        proc = subprocess.run(
+            ["bash", str(script)], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as e:
+        raise ClusterError(f"{script} did not finish in {timeout_s:.0f}s: {e}") from e
+    if proc.returncode != 0:
+        raise ClusterError(
+            f"{script} failed (exit {proc.returncode}); the tests need its binaries.\n"
+            f"--- stderr (tail) ---\n{proc.stderr[-6000:]}"
+        )
+    return default_cache_dir() / "bin"

@@ -74,7 +74,7 @@ class PluginServer:
         prebind_wait_s: float = 30.0,
         watch_timeout_s: int = 60,
         event_interval_s: float = 60.0,
-        workers: int = 32,
+        workers: int = 128,
         backoff: Backoff = DEFAULT_BACKOFF,
     ) -> None:
         if (socket_path is None) == (tcp_address is None):
@@ -100,7 +100,8 @@ class PluginServer:
             self.watches.ready,
             events=self.events,
             prebind_wait_s=prebind_wait_s,
-            max_prebind_waiters=max(1, workers // 2),
+            # Parked PreBinds only wait on a condition; keep some workers for PreFilter & co.
+            max_prebind_waiters=max(1, workers - 16),
         )
         self._workers = workers
         self._executor: ThreadPoolExecutor | None = None

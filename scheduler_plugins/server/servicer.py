@@ -185,7 +185,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             scores = normalize_scores(decision.desirability[feasible])
             total = len(decision.layout.names) + len(decision.layout.gpu_less)
             why = explain(decision, self._cache.state) if len(names) < total else ""
-            per_node = node_reasons(decision, self._cache.state) if why else ""
+            per_node = node_reasons(why) if why else ""
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
             _put(self._requests, ident, req)
@@ -197,7 +197,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             return pb.PreFilterResponse(
                 code=pb.PreFilterResponse.UNSCHEDULABLE,
                 message=why,
-                infeasible_message=why,
+                infeasible_message=per_node,
                 decision_id=decision_id,
             )
         return pb.PreFilterResponse(

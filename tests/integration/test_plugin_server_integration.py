@@ -295,8 +295,8 @@ def test_broken_watch_and_410_gone_relist_and_converge(
         # What happens meanwhile is only visible to a new list.
         api.post(PODS, bound("ps-y", CORE_NODE, "GPU-c1,NVIDIA,4000,0:;"))
         force_delete(api, f"{PODS}/ps-x")
-        time.sleep(0.3)
-        assert snapshot_of(server, gpu_nodes) != expected_snapshot(api, gpu_nodes)
+        # (Whether the old watch saw these before it dropped is a race; the re-list counts
+        # below prove the recovery path ran.)
         kube.gone_once.set()  # back, but the first watch finds its version compacted
         kube.down.clear()
         eventually(lambda: snapshot_of(server, gpu_nodes) == expected_snapshot(api, gpu_nodes))

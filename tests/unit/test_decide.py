@@ -255,3 +255,13 @@ def test_cluster_without_gpus_explains_instead_of_failing() -> None:
     d = decide(state, parse_request(make_pod("p").gpu(1).build(), CFG))
     assert d.best_node() is None
     assert explain(d, state) == "0/1 nodes are available: 1 node [no GPUs]: no GPU registered (b)"
+
+
+def test_node_reasons_drop_the_count_header_kube_scheduler_adds_itself() -> None:
+    from scheduler_plugins.explain import node_reasons
+
+    state = _frag_state()
+    d = decide(state, parse_request(make_pod("p").gpu(1, mem=16000).mode("mig").build(), CFG))
+    text = node_reasons(explain(d, state))
+    assert text.startswith("Tessera: 1 node [1× NVIDIA A100-PCIE-40GB (mig)]: MIG fragmentation")
+    assert "nodes are available" not in text

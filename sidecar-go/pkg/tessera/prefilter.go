@@ -69,7 +69,14 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Po
 		return storeDecision(state, resp)
 	case pluginv1.PreFilterResponse_SKIP:
 		return nil, fwk.NewStatus(fwk.Skip)
-	case pluginv1.PreFilterResponse_UNSCHEDULABLE, pluginv1.PreFilterResponse_INVALID:
+	case pluginv1.PreFilterResponse_UNSCHEDULABLE:
+		// The header-less per-class reasons: kube-scheduler adds its own "0/N nodes" count.
+		msg := resp.GetInfeasibleMessage()
+		if msg == "" {
+			msg = resp.GetMessage()
+		}
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, msg)
+	case pluginv1.PreFilterResponse_INVALID:
 		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, resp.GetMessage())
 	default:
 		return nil, fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreFilter: unknown response code %v", resp.GetCode()))
