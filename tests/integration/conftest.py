@@ -8,7 +8,6 @@ start failure fails the tests loudly: nothing here skips.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from scheduler_plugins.devcluster.cluster import Cluster, ClusterInfo
-from scheduler_plugins.devcluster.layout import ClusterSettings, default_cache_dir, repo_root
+from scheduler_plugins.devcluster.errors import ClusterError
+from scheduler_plugins.devcluster.layout import ClusterSettings
 from scheduler_plugins.devcluster.nodes import NodeGroup, NodeProfile, add_nodes, wait_ready
-from scheduler_plugins.devcluster.testing import ClusterClient, settings_in
+from scheduler_plugins.devcluster.testing import ClusterClient, build_tools, settings_in
 
 BUILD_TIMEOUT_S = 3600  # a cold build of kube-apiserver on 2 cores takes many minutes
 
@@ -36,24 +36,10 @@ NODE_COUNT = 4
 @pytest.fixture(scope="session")
 def built_tools() -> Path:
     """Build (or find cached) etcd, kube-apiserver, kubectl, kwok; fail loudly if impossible."""
-    script = repo_root() / "hack" / "build-tools.sh"
     try:
-        proc = subprocess.run(
-            ["bash", str(script)],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} did not finish in {BUILD_TIMEOUT_S}s: {e}", pytrace=False)
-    if proc.returncode != 0:
-        pytest.fail(
-            f"{script} failed (exit {proc.returncode}); the integration tests need its "
-            f"binaries.\n--- stderr (tail) ---\n{proc.stderr[-6000:]}",
-            pytrace=False,
-        )
-    return default_cache_dir() / "bin"
+        return build_tools(BUILD_TIMEOUT_S)
+    except ClusterError as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture(scope="session")

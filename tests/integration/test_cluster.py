@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,20 +20,9 @@ from scheduler_plugins.devcluster.layout import ClusterSettings
 from scheduler_plugins.devcluster.nodes import add_nodes, node_ready, wait_ready
 from scheduler_plugins.devcluster.testing import ClusterClient
 from scheduler_plugins.node_register import decode
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
-
-
-def eventually(check: Callable[[], Any], *, timeout_s: float = 30.0) -> Any:
-    """Poll ``check`` until it returns a truthy value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        time.sleep(0.2)
 
 
 def make_pod(name: str, *, node: str | None = None, gpus: int = 1) -> dict[str, Any]:

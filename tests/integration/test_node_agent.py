@@ -27,21 +27,11 @@ from scheduler_plugins.kube.client import KubeClient
 from scheduler_plugins.kube.errors import ConflictError, NotFoundError
 from scheduler_plugins.node_register import Placement, decode
 from scheduler_plugins.pod_annotations import decode_mig_allocations
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
 PODS = "/api/v1/namespaces/default/pods"
-
-
-def eventually(check: Callable[[], Any], *, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        time.sleep(0.2)
 
 
 def gone(api: KubeClient, path: str) -> Callable[[], bool]:

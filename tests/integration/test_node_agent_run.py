@@ -51,6 +51,7 @@ from scheduler_plugins.pod_annotations import (
     encode_mig_allocations,
 )
 from tests.fake_kubelet import FakeKubelet, PluginConnection
+from tests.waiting import eventually as _eventually
 
 pytestmark = pytest.mark.integration
 
@@ -65,14 +66,7 @@ WAIT_S = 20.0
 
 
 def eventually(check: Callable[[], Any], *, timeout_s: float = WAIT_S, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what or check}")
-        time.sleep(0.05)
+    return _eventually(check, timeout_s=timeout_s, interval_s=0.05, what=what)
 
 
 # Fixtures -------------------------------------------------------------------------------

@@ -7,8 +7,7 @@ import json
 import shutil
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from scheduler_plugins.pods import counts_against_capacity, parse_allocation, po
 from scheduler_plugins.server.app import PluginServer
 from scheduler_plugins.state import build_state
 from tests.builders import gpu, mig_gpu
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -36,17 +36,6 @@ NODES = "/api/v1/nodes"
 V1 = pb.PROTOCOL_VERSION_1
 CORE_NODE = "ps-core"
 MIG_NODE = "ps-mig"
-
-
-def eventually(check: Callable[[], Any], *, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        time.sleep(0.1)
 
 
 def node_obj(name: str, register: str) -> dict[str, Any]:
