@@ -31,8 +31,9 @@ from node_agent.pod_matching import annotations_of
 from scheduler_plugins.annotations import BIND_PHASE, NODE_REGISTER
 from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.errors import TesseraError
-from scheduler_plugins.kube.client import KubeClient, Watch
-from scheduler_plugins.kube.errors import GoneError, NotFoundError
+from scheduler_plugins.kube.client import KubeClient
+from scheduler_plugins.kube.errors import NotFoundError
+from scheduler_plugins.kube.reflector import Reflector
 from scheduler_plugins.node_register import decode
 
 log = structlog.get_logger(__name__)
@@ -66,9 +67,7 @@ class KwokAgents:
         self._watch_timeout_s = watch_timeout_s
         self._nodes: dict[str, FakeNode | None] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._watch: Watch | None = None
-        self._thread: threading.Thread | None = None
+        self._reflector: Reflector | None = None
 
     # Per node -----------------------------------------------------------------------------
 
@@ -156,50 +155,28 @@ class KwokAgents:
 
     # Loop ---------------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """List + watch pods until ``stop``; relists on 410 Gone, backs off on errors."""
-        rv: str | None = None
-        while not self._stop.is_set():
-            try:
-                if rv is None:
-                    listed = self._kube.list("/api/v1/pods")
-                    rv = str(listed["metadata"]["resourceVersion"])
-                    for pod in listed.get("items") or []:
-                        self.handle("ADDED", pod)
-                watch = self._kube.watch("/api/v1/pods", rv, timeout_s=self._watch_timeout_s)
-                with self._lock:
-                    self._watch = watch
-                if self._stop.is_set():
-                    watch.close()
-                for event in watch:
-                    obj = event.get("object") or {}
-                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
-                    if event["type"] != "BOOKMARK":
-                        self.handle(str(event["type"]), obj)
-                self.pass_all()
-            except GoneError:
-                rv = None
-            except TesseraError as e:
-                log.warning("kwok.watch_failed", error=str(e))
-                self._stop.wait(1.0)
+    def _listed(self, pods: list[dict[str, Any]], listed_at: float) -> None:
+        for pod in pods:
+            self.handle("ADDED", pod)
 
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self.run, name="kwok-agents", daemon=True)
-        self._thread.start()
+        """List + watch all pods (relists on 410 Gone, backs off on errors); every watch
+        stream that ends also runs the periodic reconcile pass."""
+        self._reflector = Reflector(
+            self._kube,
+            "/api/v1/pods",
+            on_list=self._listed,
+            on_event=self.handle,
+            on_watch_end=self.pass_all,
+            watch_timeout_s=self._watch_timeout_s,
+        )
+        self._reflector.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the loop, wait for it, and shut every simulated NVML session down."""
-        self._stop.set()
-        with self._lock:
-            watch = self._watch
-        if watch is not None:
-            watch.close()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise RuntimeError("kwok agent loop did not stop")
-            self._thread = None
+        if self._reflector is not None:
+            self._reflector.stop(timeout_s)
+            self._reflector = None
         with self._lock:
             nodes = [n for n in self._nodes.values() if n is not None]
         for node in nodes:
