@@ -57,7 +57,7 @@ bench: setup
 	$(PYTHON) -m benchmarks.placement_quality
 	$(PYTHON) -m benchmarks.decision_latency
 
-## tools: build etcd, kube-apiserver, kubectl, kwok and tessera-scheduler into $(BIN_DIR) (cached)
+## tools: build etcd, kube-apiserver, kube-scheduler, kubectl, kwok, helm, jaeger and tessera-scheduler into $(BIN_DIR) (cached)
 tools:
 	bash hack/build-tools.sh
 

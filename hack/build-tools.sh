@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the dev-cluster binaries (etcd, kube-apiserver, kubectl, kwok) from the Go module proxy,
-# and Tessera's kube-scheduler (tessera-scheduler, from sidecar-go/), into $TESSERA_CACHE/bin.
+# Builds the dev-cluster binaries (etcd, kube-apiserver, the stock kube-scheduler for benchmark
+# baselines, kubectl, kwok, helm, jaeger) from the Go module proxy, and Tessera's kube-scheduler
+# (tessera-scheduler, from sidecar-go/), into $TESSERA_CACHE/bin.
 # Idempotent: a binary is rebuilt only when its inputs change (its module's go.mod/go.sum, the
 # package, the ldflags, the Go version, this script, and for Tessera's own code its Go sources).
 #
@@ -43,9 +44,12 @@ kube_ldflags() {
 TOOLS=(
   "etcd           hack/tools/kube go.etcd.io/etcd/server/v3           -"
   "kube-apiserver hack/tools/kube k8s.io/kubernetes/cmd/kube-apiserver kube_ldflags"
+  "kube-scheduler hack/tools/kube k8s.io/kubernetes/cmd/kube-scheduler kube_ldflags"
   "kubectl        hack/tools/kube k8s.io/kubernetes/cmd/kubectl        kube_ldflags"
   "kwok           hack/tools/kwok sigs.k8s.io/kwok/cmd/kwok           -"
   "tessera-scheduler sidecar-go   tessera/sidecar-go                  kube_ldflags sidecar-go"
+  "helm           hack/tools/helm helm.sh/helm/v3/cmd/helm             -"
+  "jaeger         hack/tools/jaeger github.com/jaegertracing/jaeger/cmd/jaeger -"
 )
 
 stamp_key() {
@@ -99,7 +103,7 @@ main() {
     for entry in "${TOOLS[@]}"; do
       [[ "${entry%% *}" == "${name}" ]] && found=1
     done
-    ((found)) || { log "unknown tool '${name}'; known: etcd kube-apiserver kubectl kwok tessera-scheduler"; return 2; }
+    ((found)) || { log "unknown tool '${name}'; known: etcd kube-apiserver kube-scheduler kubectl kwok tessera-scheduler helm jaeger"; return 2; }
   done
   for entry in "${TOOLS[@]}"; do
     read -r name moddir pkg ldfn srcdir <<<"${entry}"
