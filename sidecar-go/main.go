@@ -1,16 +1,49 @@
 // Command tessera-scheduler is kube-scheduler with the Tessera framework plugin compiled in.
+// Tracing is configured by the standard OTEL_* environment variables (pkg/tracing); it is off
+// unless OTEL_TRACES_EXPORTER says otherwise.
 package main
 
 import (
+	"context"
+	"fmt"
 	"os"
+	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"k8s.io/component-base/cli"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app"
 
 	"tessera/sidecar-go/pkg/tessera"
+	"tessera/sidecar-go/pkg/tracing"
 )
 
+// serviceName is the default OTEL_SERVICE_NAME.
+const serviceName = "tessera-scheduler"
+
+// flushTimeout bounds the export of queued spans at exit.
+const flushTimeout = 5 * time.Second
+
 func main() {
-	command := app.NewSchedulerCommand(app.WithPlugin(tessera.Name, tessera.New))
-	os.Exit(cli.Run(command))
+	os.Exit(run())
+}
+
+func run() int {
+	sdk, err := tracing.FromEnv(context.Background(), serviceName)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s: tracing: %v\n", serviceName, err)
+		return 1
+	}
+	var provider trace.TracerProvider // nil: tracing off
+	if sdk != nil {
+		provider = sdk
+		defer func() {
+			ctx, cancel := context.WithTimeout(context.Background(), flushTimeout)
+			defer cancel()
+			if err := sdk.Shutdown(ctx); err != nil {
+				fmt.Fprintf(os.Stderr, "%s: flushing traces: %v\n", serviceName, err)
+			}
+		}()
+	}
+	command := app.NewSchedulerCommand(app.WithPlugin(tessera.Name, tessera.NewWithTracing(provider)))
+	return cli.Run(command)
 }

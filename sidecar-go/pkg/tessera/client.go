@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
@@ -42,25 +43,36 @@ func dial(args *Args) (*grpc.ClientConn, error) {
 var traceContext = propagation.TraceContext{}
 
 // propagateTraceContext puts the caller's trace context into the outgoing metadata so one trace
-// spans the shim and the plugin server: the span in ctx if there is one, else a traceparent that
-// arrived in incoming gRPC metadata.
+// spans the shim and the plugin server: the span in ctx if there is one (the call's client
+// span), else a traceparent that arrived in incoming gRPC metadata. Without either (tracing
+// off) it adds nothing and allocates nothing.
 func propagateTraceContext(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
 	invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	carrier := propagation.MapCarrier{}
-	traceContext.Inject(ctx, carrier)
-	if len(carrier) == 0 {
-		if in, ok := metadata.FromIncomingContext(ctx); ok {
-			for _, key := range traceContext.Fields() {
-				if v := in.Get(key); len(v) > 0 {
-					carrier[key] = v[0]
-				}
+	if trace.SpanContextFromContext(ctx).IsValid() {
+		carrier := propagation.MapCarrier{}
+		traceContext.Inject(ctx, carrier)
+		ctx = appendOutgoing(ctx, carrier)
+	} else if in, ok := metadata.FromIncomingContext(ctx); ok {
+		carrier := propagation.MapCarrier{}
+		for _, key := range traceContext.Fields() {
+			if v := in.Get(key); len(v) > 0 {
+				carrier[key] = v[0]
 			}
 		}
-	}
-	for k, v := range carrier {
-		ctx = metadata.AppendToOutgoingContext(ctx, k, v)
+		ctx = appendOutgoing(ctx, carrier)
 	}
 	return invoker(ctx, method, req, reply, cc, opts...)
+}
+
+func appendOutgoing(ctx context.Context, carrier propagation.MapCarrier) context.Context {
+	if len(carrier) == 0 {
+		return ctx
+	}
+	kv := make([]string, 0, 2*len(carrier))
+	for k, v := range carrier {
+		kv = append(kv, k, v)
+	}
+	return metadata.AppendToOutgoingContext(ctx, kv...)
 }
 
 // rpcFailure turns a failed call into a status that keeps the pod Pending. Transport failures

@@ -152,6 +152,8 @@ type Plugin struct {
 	args      Args
 	resources resourceNames
 	client    pluginv1.SchedulerClient
+	// tracing is off (zero) unless built by NewWithTracing with a provider.
+	tracing tracing
 	// closeConn releases the gRPC connection; nil when the client was injected.
 	closeConn func() error
 }

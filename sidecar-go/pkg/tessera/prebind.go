@@ -25,6 +25,7 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	if _, err := readDecision(state); err != nil {
 		return nil
 	}
+	ctx, traced := p.tracing.startPhase(ctx, state, SpanPreBind, "PreBind", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.BindTimeout.Duration)
 	defer cancel()
 	resp, err := p.client.PreBind(callCtx, &pluginv1.PreBindRequest{
@@ -32,9 +33,13 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 		Pod:     podRef(pod),
 		Node:    nodeName,
 	})
+	traced.end(callOutcome(err), err)
 	if err != nil {
+		// Unreserve follows and adds its span to the ended attempt.
+		traced.finish(OutcomeError)
 		return rpcFailure("PreBind", p.args.BindTimeout.Duration, err)
 	}
+	traced.finish(OutcomeBound)
 	klog.FromContext(ctx).V(4).Info("PreBind wrote annotations", "plugin", Name, "pod", klog.KObj(pod),
 		"node", nodeName, "annotations", len(resp.GetAnnotations()))
 	return nil

@@ -3,7 +3,9 @@ package tessera
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -47,22 +49,40 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Po
 	if !p.resources.requested(pod) {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
+	ctx, traced := p.tracing.startAttempt(ctx, state, pod)
+	resp, err := p.askPreFilter(ctx, pod)
+	res, st := answerPreFilter(state, resp, err, p.args.Timeout.Duration)
+	traced.endPreFilter(st, resp, err, p.tracing.grace)
+	return res, st
+}
+
+// errEncodingPod marks a pod the shim could not encode; nothing was sent.
+var errEncodingPod = errors.New("encoding pod")
+
+func (p *Plugin) askPreFilter(ctx context.Context, pod *v1.Pod) (*pluginv1.PreFilterResponse, error) {
 	// managedFields is often the bulk of a pod's JSON and nothing the server reads.
 	trimmed := *pod
 	trimmed.ManagedFields = nil
 	podJSON, err := json.Marshal(&trimmed)
 	if err != nil {
-		return nil, fwk.AsStatus(fmt.Errorf("%s: encoding pod %s/%s: %w", Name, pod.Namespace, pod.Name, err))
+		return nil, fmt.Errorf("%s: %w %s/%s: %w", Name, errEncodingPod, pod.Namespace, pod.Name, err)
 	}
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
-	resp, err := p.client.PreFilter(callCtx, &pluginv1.PreFilterRequest{
+	return p.client.PreFilter(callCtx, &pluginv1.PreFilterRequest{
 		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
 		Pod:     podRef(pod),
 		PodJson: podJSON,
 	})
+}
+
+// answerPreFilter turns the server's answer into the framework's, storing an OK decision.
+func answerPreFilter(state fwk.CycleState, resp *pluginv1.PreFilterResponse, err error, timeout time.Duration) (*fwk.PreFilterResult, *fwk.Status) {
+	if errors.Is(err, errEncodingPod) {
+		return nil, fwk.AsStatus(err)
+	}
 	if err != nil {
-		return nil, rpcFailure("PreFilter", p.args.Timeout.Duration, err)
+		return nil, rpcFailure("PreFilter", timeout, err)
 	}
 	switch resp.GetCode() {
 	case pluginv1.PreFilterResponse_OK:

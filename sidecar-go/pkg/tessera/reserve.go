@@ -23,6 +23,7 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	if err != nil {
 		return fwk.AsStatus(err)
 	}
+	ctx, traced := p.tracing.startPhase(ctx, state, SpanReserve, "Reserve", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
 	_, err = p.client.Reserve(callCtx, &pluginv1.ReserveRequest{
@@ -32,12 +33,16 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 		DecisionId: d.id,
 	})
 	if err == nil {
+		traced.end(OutcomeOK, nil)
 		return nil
 	}
+	// A failed Reserve leaves the attempt open: the framework calls Unreserve next.
 	if st, _ := status.FromError(err); st.Code() == codes.Aborted {
 		// Another pod took the devices since PreFilter: an ordinary scheduling miss.
+		traced.end(OutcomeUnschedulable, err)
 		return fwk.NewStatus(fwk.Unschedulable, fmt.Sprintf("node %s no longer fits: %s", nodeName, st.Message()))
 	}
+	traced.end(OutcomeError, err)
 	return rpcFailure("Reserve", p.args.Timeout.Duration, err)
 }
 
@@ -48,6 +53,7 @@ func (p *Plugin) Unreserve(ctx context.Context, state fwk.CycleState, pod *v1.Po
 	if _, err := readDecision(state); err != nil {
 		return
 	}
+	ctx, traced := p.tracing.startPhase(ctx, state, SpanUnreserve, "Unreserve", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
 	_, err := p.client.Unreserve(callCtx, &pluginv1.UnreserveRequest{
@@ -55,6 +61,8 @@ func (p *Plugin) Unreserve(ctx context.Context, state fwk.CycleState, pod *v1.Po
 		Pod:     podRef(pod),
 		Node:    nodeName,
 	})
+	traced.end(callOutcome(err), err)
+	traced.finish(OutcomeUnreserved)
 	if err != nil {
 		klog.FromContext(ctx).Error(describeRPCError("Unreserve", p.args.Timeout.Duration, err),
 			"Unreserve failed", "plugin", Name, "pod", klog.KObj(pod), "node", nodeName)
