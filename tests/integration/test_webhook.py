@@ -1,0 +1,142 @@
+"""Tessera's admission webhook behind the dev cluster's real kube-apiserver.
+
+The pods stay Pending (no scheduler runs here); each test deletes what it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from scheduler_plugins import annotations as ann
+from scheduler_plugins.devcluster.testing import ClusterClient
+from scheduler_plugins.devcluster.webhook import WEBHOOK
+from scheduler_plugins.kube.errors import ApiError, NotFoundError
+from scheduler_plugins.webhook.manifest import WEBHOOK_NAME
+
+pytestmark = pytest.mark.integration
+
+GPU, MEM, CORES = "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores"
+
+
+def pod(
+    name: str,
+    limits: dict[str, Any],
+    *,
+    annotations: dict[str, str] | None = None,
+    namespace: str = "default",
+    **spec: Any,
+) -> dict[str, Any]:
+    container = {"name": "main", "image": "busybox", "resources": {"limits": limits}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
+        "spec": {"containers": [container], **spec},
+    }
+
+
+@pytest.fixture
+def created(dev_cluster: ClusterClient, webhook: str) -> Iterator[list[dict[str, Any]]]:
+    """Pods to create; whatever the apiserver accepted is deleted afterwards."""
+    made: list[dict[str, Any]] = []
+    yield made
+    for p in made:
+        meta = p["metadata"]
+        with contextlib.suppress(NotFoundError):
+            dev_cluster.api.delete(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}")
+
+
+def create(c: ClusterClient, made: list[dict[str, Any]], obj: dict[str, Any]) -> dict[str, Any]:
+    ns = obj["metadata"]["namespace"]
+    out: dict[str, Any] = c.api.post(f"/api/v1/namespaces/{ns}/pods", obj)
+    made.append(out)
+    return out
+
+
+def refused(c: ClusterClient, made: list[dict[str, Any]], obj: dict[str, Any]) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        create(c, made, obj)
+    assert f'admission webhook "{WEBHOOK_NAME}" denied the request' in info.value.message
+    return info.value
+
+
+def test_memory_only_pod_gets_tessera_scheduler_and_one_gpu(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]]
+) -> None:
+    out = create(dev_cluster, created, pod("wh-mem-only", {MEM: "3000"}))
+    assert out["spec"]["schedulerName"] == "hami-scheduler"
+    resources = out["spec"]["containers"][0]["resources"]
+    assert resources["limits"] == {MEM: "3k", GPU: "1"}
+    assert resources["requests"] == {MEM: "3k", GPU: "1"}
+    # The webhook logged its decision as one JSON line naming the pod.
+    lines = dev_cluster.settings.log_file(WEBHOOK).read_text().splitlines()
+    entries = [json.loads(line) for line in lines if line.startswith("{")]
+    (entry,) = [e for e in entries if e.get("pod") == "default/wh-mem-only"]
+    assert entry["allowed"] is True and entry["facts_known"] is True
+
+
+def test_pod_without_gpus_is_left_alone(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]]
+) -> None:
+    out = create(dev_cluster, created, pod("wh-plain", {"cpu": "1"}))
+    assert out["spec"]["schedulerName"] == "default-scheduler"
+    assert GPU not in out["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_preset_internal_annotation_is_refused(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]]
+) -> None:
+    preset = {ann.DEVICES_ALLOCATED: "GPU-0,NVIDIA,1000,0:;"}
+    e = refused(dev_cluster, created, pod("wh-forged", {GPU: "1"}, annotations=preset))
+    assert e.status == 403
+    assert f"annotation {ann.DEVICES_ALLOCATED} is written only by Tessera" in e.message
+    assert "remove it" in e.message
+
+
+def test_preset_node_name_is_refused(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]]
+) -> None:
+    obj = pod("wh-pinned", {GPU: "1"}, nodeName=dev_cluster.nodes[0])
+    e = refused(dev_cluster, created, obj)
+    assert e.status == 403
+    assert f"spec.nodeName is preset ('{dev_cluster.nodes[0]}')" in e.message
+    assert "nodeSelector or node affinity" in e.message
+
+
+@pytest.mark.parametrize(
+    ("limits", "mode", "expected"),
+    [
+        # The largest device on the cluster: an H100 80GB's 7g.80gb MIG profile.
+        ({GPU: "1", MEM: "90000"}, None, "more than the largest GPU in the cluster has (81152"),
+        ({GPU: "1", CORES: "150"}, None, f"{CORES} = 150 must be between 0 and 100"),
+        # The hami-core nodes have 4 A100s.
+        ({GPU: "5"}, "hami-core", "more than 4 hami-core GPU device(s)"),
+    ],
+    ids=["memory", "cores", "count"],
+)
+def test_impossible_request_is_refused(
+    dev_cluster: ClusterClient,
+    created: list[dict[str, Any]],
+    limits: dict[str, str],
+    mode: str | None,
+    expected: str,
+) -> None:
+    annotations = {ann.VGPU_MODE: mode} if mode else None
+    e = refused(dev_cluster, created, pod("wh-impossible", limits, annotations=annotations))
+    assert e.status == 400
+    assert expected in e.message
+
+
+def test_kube_system_is_not_sent_to_the_webhook(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]]
+) -> None:
+    preset = {ann.BIND_PHASE: "success"}
+    obj = pod("wh-system", {GPU: "1"}, annotations=preset, namespace="kube-system")
+    out = create(dev_cluster, created, obj)
+    assert out["metadata"]["annotations"] == preset
+    assert out["spec"]["schedulerName"] == "default-scheduler"
