@@ -23,6 +23,7 @@ retried Allocate completes it, returning the same MIG instance.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from node_agent.mig_records import container_reservations, desired_from_pods, wi
 from node_agent.nvml.backend import DeviceInfo, NvmlBackend
 from node_agent.pod_matching import (
     annotations_of,
+    as_object,
     match_pod,
     next_container,
     pod_key,
@@ -51,7 +53,7 @@ from scheduler_plugins.annotations import (
     GpuMode,
 )
 from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
+from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError, short_repr
 from scheduler_plugins.kube.errors import ConflictError, NotFoundError
 from scheduler_plugins.pod_annotations import (
     ContainerDevices,
@@ -278,8 +280,8 @@ class Allocator:
     # Checks on annotations this agent did not write ----------------------------------------
 
     def _container(self, pod: Mapping[str, Any], ci: int) -> Mapping[str, Any]:
-        spec = pod.get("spec") or {}
-        containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        spec = as_object(pod.get("spec"))
+        containers = [*_list(spec.get("initContainers")), *_list(spec.get("containers"))]
         if not 0 <= ci < len(containers) or not isinstance(containers[ci], Mapping):
             raise AllocationRefusedError(
                 f"pod {pod_key(pod)}: {DEVICES_TO_ALLOCATE} has an entry for container {ci} "
@@ -323,8 +325,15 @@ class Allocator:
         envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = f"{HOOK_DIR}/{self._cache_name()}.cache"
         if self._scaling > 1:
             envs["CUDA_OVERSUBSCRIBE"] = "true"
-        uid = str((pod.get("metadata") or {}).get("uid", ""))
+        uid = str(as_object(pod.get("metadata")).get("uid", ""))
         name = str(container.get("name", ""))
+        if not _HOST_DIR_PART.match(uid) or not _HOST_DIR_PART.match(name):
+            # Both name a host directory: never let a value the API server would refuse
+            # ("..", "a/b") point the writable mount elsewhere on the host.
+            raise AllocationRefusedError(
+                f"pod {pod_key(pod)}: uid {short_repr(uid)} and container name "
+                f"{short_repr(name)} must be plain names to name the container's host directory"
+            )
         mounts = [
             Mount(LIBVGPU, f"{self._host_hook}/vgpu/libvgpu.so", True),
             Mount(HOOK_DIR, f"{self._host_hook}/vgpu/containers/{uid}_{name}", False),
@@ -368,7 +377,7 @@ class Allocator:
         return None
 
     def _patch(self, pod: Mapping[str, Any], build: PatchBuilder) -> None:
-        meta = pod.get("metadata") or {}
+        meta = as_object(pod.get("metadata"))
         path = _pod_path(pod)
         uid = meta.get("uid")
         current: Mapping[str, Any] = pod
@@ -376,7 +385,7 @@ class Allocator:
             patch = build(annotations_of(current))
             if patch is None:
                 return
-            rv = (current.get("metadata") or {}).get("resourceVersion")
+            rv = as_object(current.get("metadata")).get("resourceVersion")
             try:
                 self._kube.merge_patch(
                     path, {"metadata": {"annotations": patch}}, resource_version=rv
@@ -384,7 +393,7 @@ class Allocator:
                 return
             except ConflictError:
                 current = self._kube.get(path)
-                if (current.get("metadata") or {}).get("uid") != uid:
+                if as_object(current.get("metadata")).get("uid") != uid:
                     raise AllocationRefusedError(
                         f"pod {pod_key(pod)} was replaced while allocating"
                     ) from None
@@ -403,13 +412,21 @@ class Allocator:
             log.warning("allocate.mark_failed_failed", pod=pod_key(pod), error=str(e))
 
 
+# Kubernetes uids and container names (DNS-1123 labels) match this; "." and ".." do not.
+_HOST_DIR_PART: Final = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
+
+
 def _pod_path(pod: Mapping[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
+    meta = as_object(pod.get("metadata"))
     return f"/api/v1/namespaces/{meta.get('namespace') or 'default'}/pods/{meta.get('name', '')}"
 
 
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _control_disabled(container: Mapping[str, Any]) -> bool:
-    for env in container.get("env") or []:
+    for env in _list(container.get("env")):
         if isinstance(env, Mapping) and env.get("name") == "CUDA_DISABLE_CONTROL":
             return str(env.get("value", "")).lower() == "true"
     return False

@@ -20,7 +20,8 @@ Design
 - ``ensure`` (one kubelet Allocate): reconcile first; verify every reserved profile/placement
   is still legal per NVML (before any hardware mutation); take the GPUs' mutation locks; per
   reservation return the instance it already owns (idempotent), take over an unmanaged
-  instance at exactly its key, or create the GI at exactly that placement plus one full-size
+  instance at exactly its key (only when the desired set was readable: it alone shows no other
+  pod reserves that placement), or create the GI at exactly that placement plus one full-size
   CI. Something else at or across the placement fails the call: the reservation is never
   moved to another placement (that would break the scheduler's topology accounting). On a
   failure, only what this attempt created is destroyed (CI, then GI); adopted and earlier
@@ -271,9 +272,10 @@ class MigManager:
         )
         plans = [self._plan(Reservation(pod, a)) for a in allocations]
         steps: list[_Step] = []
+        unreadable = desired_reason if desired is None else ""
         with self._gpu_locks_held({p.key.gpu_index for p in plans}):
             try:
-                identities = [self._realize(plan, steps) for plan in plans]
+                identities = [self._realize(plan, steps, unreadable) for plan in plans]
             except _StepFailed as failure:
                 leftovers = self._roll_back(steps)
                 a = failure.plan.reservation.allocation
@@ -338,8 +340,14 @@ class MigManager:
         key = InstanceKey(index, a.profile, a.placement.start, a.placement.size)
         return _Plan(r, key, info)
 
-    def _realize(self, plan: _Plan, steps: list[_Step]) -> RuntimeIdentity:
-        """The identity of the plan's instance (GPU lock held): existing, taken over or new."""
+    def _realize(self, plan: _Plan, steps: list[_Step], unreadable: str) -> RuntimeIdentity:
+        """The identity of the plan's instance (GPU lock held): existing, taken over or new.
+
+        ``unreadable``: why the node's reservations could not be read ("" if they were). Then
+        an unmanaged instance is not taken over: only a readable set shows that no other pod
+        reserves that placement, and without it a forged or stale record could hand this pod
+        another pod's running instance.
+        """
         key, owner = plan.key, plan.reservation.owner
         try:
             with self._state_lock:
@@ -369,6 +377,13 @@ class MigManager:
                     " is never moved to another placement",
                 )
             if exact is not None:
+                if unreadable:
+                    raise _StepFailed(
+                        plan,
+                        f"an unmanaged GPU instance {exact.id} holds the placement and the node's"
+                        f" reservations cannot be read ({unreadable}); it is not taken over until"
+                        " they can",
+                    )
                 return self._take_over(plan, exact, steps)
             gi = self._backend.create_gpu_instance_with_placement(
                 key.gpu_index, plan.info.id, key.placement

@@ -90,22 +90,29 @@ def requested_gpus(device_ids: Iterable[str]) -> Counter[str]:
     return Counter(gpu_of(d)[0] for d in device_ids)
 
 
+def as_object(value: object) -> Mapping[str, Any]:
+    """A JSON object field, or {} when it is missing or not an object."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def pod_key(pod: Mapping[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
+    meta = as_object(pod.get("metadata"))
     return f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
 
 
 def annotations_of(pod: Mapping[str, Any]) -> Mapping[str, str]:
-    meta = pod.get("metadata") or {}
-    ann = meta.get("annotations") or {}
-    return ann if isinstance(ann, Mapping) else {}
+    """The pod's annotations; non-string values (never from the API server) are left out."""
+    ann = as_object(as_object(pod.get("metadata")).get("annotations"))
+    return {k: v for k, v in ann.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def is_candidate(pod: Mapping[str, Any], node_name: str) -> bool:
     """Bound to ``node_name``, waiting for allocation, alive."""
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
+    if not isinstance(pod, Mapping):
+        return False
+    meta = as_object(pod.get("metadata"))
+    spec = as_object(pod.get("spec"))
+    status = as_object(pod.get("status"))
     ann = annotations_of(pod)
     bound = spec.get("nodeName") == node_name or ann.get(VGPU_NODE) == node_name
     return (
@@ -139,7 +146,7 @@ def admission_order(pod: Mapping[str, Any]) -> tuple[float, str, str]:
         bind_time: float = decode_bind_time(ann.get(BIND_TIME, ""))
     except InvalidAnnotationError:
         bind_time = math.inf
-    created = str((pod.get("metadata") or {}).get("creationTimestamp") or "")
+    created = str(as_object(pod.get("metadata")).get("creationTimestamp") or "")
     return bind_time, created, pod_key(pod)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Final, TypeVar, cast
 import yaml
 
 from scheduler_plugins.annotations import GPU_MODES, GpuMode
-from scheduler_plugins.errors import InvalidConfigError
+from scheduler_plugins.errors import InvalidConfigError, short_repr
 from scheduler_plugins.mig_policy import PlacementStrategy
 from scheduler_plugins.policy import Policy
 
@@ -139,6 +139,8 @@ def load_config_file(path: str | Path) -> DeviceConfig:
         text = p.read_text()
     except OSError as e:
         raise InvalidConfigError("", f"cannot read config file {p}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise InvalidConfigError("", f"config file {p} is not UTF-8 text: {e.reason}") from e
     try:
         return load_config(text)
     except InvalidConfigError as e:
@@ -146,10 +148,7 @@ def load_config_file(path: str | Path) -> DeviceConfig:
 
 
 def load_config(text: str) -> DeviceConfig:
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidConfigError("", f"not valid YAML: {e}") from e
+    raw = _load_yaml(text)
     if raw is None:
         return DeviceConfig()
     if not isinstance(raw, dict):
@@ -163,6 +162,25 @@ def load_config(text: str) -> DeviceConfig:
     return parse_config(cast("dict[str, Any]", raw))
 
 
+# libyaml's parser where PyYAML has it: PyYAML's pure-Python one takes seconds on a few
+# thousand nested "[" (time grows faster than the depth); libyaml's is linear and refuses
+# documents nested over 1000 deep. Both build objects with the same safe constructor.
+YAML_LOADER: Final[Any] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _load_yaml(text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=YAML_LOADER)
+    except yaml.YAMLError as e:
+        raise InvalidConfigError("", f"not valid YAML: {e}") from e
+    # PyYAML's constructors raise ValueError for values it scanned but cannot build (a
+    # 2024-13-45 timestamp, an int past 4300 digits), and recurse once per nesting level.
+    except ValueError as e:
+        raise InvalidConfigError("", f"not valid YAML: {e}") from e
+    except RecursionError as e:
+        raise InvalidConfigError("", "not valid YAML: nested too deeply") from e
+
+
 def parse_config(raw: Mapping[str, Any]) -> DeviceConfig:
     for key in raw:
         if key not in {"version", "nvidia", "scheduler"} and key not in _VENDOR_SECTIONS:
@@ -171,7 +189,9 @@ def parse_config(raw: Mapping[str, Any]) -> DeviceConfig:
             )
     version = raw.get("version", CONFIG_VERSION)
     if version != CONFIG_VERSION:
-        raise InvalidConfigError("version", f"unsupported {version!r}; supported: {CONFIG_VERSION}")
+        raise InvalidConfigError(
+            "version", f"unsupported {short_repr(version)}; supported: {CONFIG_VERSION}"
+        )
     nv = _mapping(raw.get("nvidia", {}), "nvidia")
     sched = _mapping(raw.get("scheduler", {}), "scheduler")
     if "knownMigGeometries" in nv:
@@ -211,7 +231,7 @@ def parse_config(raw: Mapping[str, Any]) -> DeviceConfig:
     if "gpu" not in resources or not set(resources) <= {"gpu", "cpu", "memory"}:
         raise InvalidConfigError(
             "scheduler.nodeScoreResources",
-            f"must be [gpu] or [gpu, cpu, memory], got {resources}",
+            f"must be [gpu] or [gpu, cpu, memory], got {short_repr(resources)}",
         )
     if set(resources) not in ({"gpu"}, {"gpu", "cpu", "memory"}):
         raise InvalidConfigError(
@@ -253,14 +273,16 @@ def _mapping(v: object, path: str) -> dict[str, Any]:
 def _str(m: Mapping[str, Any], key: str, default: str) -> str:
     v = m.get(key, default)
     if not isinstance(v, str) or not v:
-        raise InvalidConfigError(f"nvidia.{key}", f"must be a non-empty string, got {v!r}")
+        raise InvalidConfigError(
+            f"nvidia.{key}", f"must be a non-empty string, got {short_repr(v)}"
+        )
     return v
 
 
 def _int(m: Mapping[str, Any], key: str, default: int, lo: int, hi: int, sect: str) -> int:
     v = m.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidConfigError(f"{sect}.{key}", f"must be an integer, got {v!r}")
+        raise InvalidConfigError(f"{sect}.{key}", f"must be an integer, got {short_repr(v)}")
     if not lo <= v <= hi:
         raise InvalidConfigError(f"{sect}.{key}", f"must be between {lo} and {hi}, got {v}")
     return v
@@ -269,7 +291,9 @@ def _int(m: Mapping[str, Any], key: str, default: int, lo: int, hi: int, sect: s
 def _float(m: Mapping[str, Any], key: str, default: float, sect: str) -> float:
     v = m.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 100:
-        raise InvalidConfigError(f"{sect}.{key}", f"must be a number in (0, 100], got {v!r}")
+        raise InvalidConfigError(
+            f"{sect}.{key}", f"must be a number in (0, 100], got {short_repr(v)}"
+        )
     return float(v)
 
 
@@ -278,14 +302,14 @@ def _enum(m: Mapping[str, Any], key: str, parse: Any, default: T, sect: str) -> 
         return default
     v = m[key]
     try:
-        return cast("T", parse(v) if isinstance(v, str) else parse(repr(v)))
+        return cast("T", parse(v) if isinstance(v, str) else parse(short_repr(v)))
     except ValueError as e:
         raise InvalidConfigError(f"{sect}.{key}", str(e)) from None
 
 
 def _str_list(v: object, path: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise InvalidConfigError(path, f"must be a list of non-empty strings, got {v!r}")
+        raise InvalidConfigError(path, f"must be a list of non-empty strings, got {short_repr(v)}")
     return cast("list[str]", v)
 
 
@@ -302,7 +326,7 @@ def _allowlist(v: object) -> tuple[AllowlistEntry, ...]:
         extra = set(em) - {"models", "profiles"}
         if extra:
             raise InvalidConfigError(
-                f"{ep}.{sorted(extra)[0]}", "unknown field; valid: models, profiles"
+                f"{ep}.{sorted(map(str, extra))[0]}", "unknown field; valid: models, profiles"
             )
         models = _str_list(em.get("models"), f"{ep}.models")
         profiles = _str_list(em.get("profiles"), f"{ep}.profiles")
@@ -311,7 +335,8 @@ def _allowlist(v: object) -> tuple[AllowlistEntry, ...]:
         for j, p in enumerate(profiles):
             if not _looks_like_profile(p):
                 raise InvalidConfigError(
-                    f"{ep}.profiles[{j}]", f"{p!r} is not a MIG profile name like '2g.10gb'"
+                    f"{ep}.profiles[{j}]",
+                    f"{short_repr(p)} is not a MIG profile name like '2g.10gb'",
                 )
         out.append(AllowlistEntry(tuple(models), tuple(profiles)))
     return tuple(out)
@@ -353,12 +378,12 @@ def _nodeconfig(v: object) -> tuple[NodeConfig, ...]:
         if not isinstance(name, str) or not name:
             raise InvalidConfigError(f"{ep}.name", "must be a node name")
         if name in names:
-            raise InvalidConfigError(f"{ep}.name", f"node {name!r} is configured twice")
+            raise InvalidConfigError(f"{ep}.name", f"node {short_repr(name)} is configured twice")
         names.add(name)
         mode = em.get("operatingmode", "hami-core")
         if mode not in GPU_MODES:
             raise InvalidConfigError(
-                f"{ep}.operatingmode", f"{mode!r} is not one of {', '.join(GPU_MODES)}"
+                f"{ep}.operatingmode", f"{short_repr(mode)} is not one of {', '.join(GPU_MODES)}"
             )
         split = em.get("devicesplitcount")
         if split is not None:
@@ -376,11 +401,7 @@ def convert_known_geometries(text: str) -> str:
     The allowlist of each models entry is the union, in first-seen order, of every profile
     name any of its allowed geometries used. Everything else is kept as it was.
     """
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidConfigError("", f"not valid YAML: {e}") from e
-    root = _mapping(raw, "")
+    root = _mapping(_load_yaml(text), "")
     nv = _mapping(root.get("nvidia", {}), "nvidia")
     old = nv.get("knownMigGeometries")
     if old is None:

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import reprlib
+
 
 class TesseraError(Exception):
     """Base of every error Tessera raises on purpose."""
@@ -47,3 +49,27 @@ class InvalidRequestError(InvalidInputError):
 
 class TemporaryError(TesseraError):
     """Transient: retry later."""
+
+
+class _ShortRepr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 100
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:  # repr() itself refuses ints past 4300 digits
+            return f"<integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def short_repr(value: object, limit: int = 120) -> str:
+    """``repr`` of a bad input value cut to ``limit`` characters, for error messages.
+
+    Inputs are untrusted: a megabyte string, a YAML alias bomb (whose full repr is
+    exponential) or an int past ``repr``'s 4300-digit limit must still give a short message.
+    """
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 1]}…"

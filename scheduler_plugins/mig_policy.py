@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from scheduler_plugins.errors import InvalidInputError
+from scheduler_plugins.errors import InvalidInputError, short_repr
 from scheduler_plugins.node_register import MigProfile, Placement
 
 MAX_SLICES: Final = 16
@@ -62,7 +62,7 @@ class PlacementStrategy(StrEnum):
         except ValueError:
             valid = ", ".join(s.value for s in cls)
             raise ValueError(
-                f"unknown MIG placement strategy {name!r}; valid strategies: {valid}"
+                f"unknown MIG placement strategy {short_repr(name)}; valid strategies: {valid}"
             ) from None
 
 

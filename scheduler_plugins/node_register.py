@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from scheduler_plugins.annotations import GPU_MODES, NODE_REGISTER, GpuMode, parse_gpu_mode
-from scheduler_plugins.errors import InvalidAnnotationError
+from scheduler_plugins.errors import InvalidAnnotationError, short_repr
 
 
 @dataclass(frozen=True, order=True)
@@ -111,7 +111,7 @@ def decode(value: str, *, obj: str = "") -> tuple[GpuDevice, ...]:
         mode_raw = f.string("mode") or "hami-core"
         mode = parse_gpu_mode(mode_raw)
         if mode is None:
-            raise bad(f"{where}.mode {mode_raw!r} is not one of {', '.join(GPU_MODES)}")
+            raise bad(f"{where}.mode {short_repr(mode_raw)} is not one of {', '.join(GPU_MODES)}")
         dev = GpuDevice(
             id=dev_id,
             index=f.integer("index", minimum=0),
@@ -125,7 +125,7 @@ def decode(value: str, *, obj: str = "") -> tuple[GpuDevice, ...]:
             mig_profiles=_decode_profiles(item.get("migProfiles"), where, bad),
         )
         if dev.id in seen_ids:
-            raise bad(f"{where}.id {dev.id!r} appears twice")
+            raise bad(f"{where}.id {short_repr(dev.id)} appears twice")
         if dev.index in seen_index:
             raise bad(f"{where}.index {dev.index} appears twice")
         seen_ids.add(dev.id)
@@ -149,7 +149,7 @@ class _Fields:
                 raise self.bad(f"{self.where}.{key} is missing")
             return 0
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.bad(f"{self.where}.{key} must be an integer, got {v!r}")
+            raise self.bad(f"{self.where}.{key} must be an integer, got {short_repr(v)}")
         if v < minimum or v > 2**31 - 1:
             raise self.bad(f"{self.where}.{key} = {v} is out of range (>= {minimum})")
         return v
@@ -161,13 +161,13 @@ class _Fields:
                 raise self.bad(f"{self.where}.{key} is missing")
             return ""
         if not isinstance(v, str):
-            raise self.bad(f"{self.where}.{key} must be a string, got {v!r}")
+            raise self.bad(f"{self.where}.{key} must be a string, got {short_repr(v)}")
         return v
 
     def boolean(self, key: str) -> bool:
         v = self.raw.get(key, False)
         if not isinstance(v, bool):
-            raise self.bad(f"{self.where}.{key} must be true or false, got {v!r}")
+            raise self.bad(f"{self.where}.{key} must be true or false, got {short_repr(v)}")
         return v
 
 
@@ -185,7 +185,7 @@ def _decode_profiles(raw: object, where: str, bad: Any) -> tuple[MigProfile, ...
         f = _Fields(cast("dict[str, Any]", p), pw, bad)
         name = f.string("name", required=True)
         if name in names:
-            raise bad(f"{pw}.name {name!r} appears twice")
+            raise bad(f"{pw}.name {short_repr(name)} appears twice")
         names.add(name)
         pls_raw = p.get("placements")
         if not isinstance(pls_raw, list) or not pls_raw:

@@ -22,7 +22,7 @@ from scheduler_plugins.annotations import (
     MIG_ALLOCATIONS,
     BindPhase,
 )
-from scheduler_plugins.errors import InvalidAnnotationError
+from scheduler_plugins.errors import InvalidAnnotationError, short_repr
 from scheduler_plugins.node_register import Placement
 
 
@@ -64,23 +64,24 @@ def decode_devices(value: str, *, key: str = DEVICES_ALLOCATED, obj: str = "") -
             containers.append(())
             continue
         if not chunk.endswith(":"):
-            raise bad(f"container {ci}: each device must end with ':' (got {chunk!r})")
+            raise bad(f"container {ci}: each device must end with ':' (got {short_repr(chunk)})")
         devices: list[DeviceAlloc] = []
         for di, dev in enumerate(chunk[:-1].split(":")):
             parts = dev.split(",")
             if len(parts) != 4:
                 raise bad(
-                    f"container {ci} device {di}: expected UUID,VENDOR,MEM,CORES, got {dev!r}"
+                    f"container {ci} device {di}: expected UUID,VENDOR,MEM,CORES, "
+                    f"got {short_repr(dev)}"
                 )
             uuid, vendor, mem_s, cores_s = parts
             if not _UUID_RE.match(uuid):
-                raise bad(f"container {ci} device {di}: invalid GPU UUID {uuid!r}")
+                raise bad(f"container {ci} device {di}: invalid GPU UUID {short_repr(uuid)}")
             if not vendor:
                 raise bad(f"container {ci} device {di}: empty vendor")
             if not _is_decimal(mem_s) or not _is_decimal(cores_s):
                 raise bad(
                     f"container {ci} device {di}: memory and cores must be non-negative "
-                    f"integers, got {mem_s!r} and {cores_s!r}"
+                    f"integers, got {short_repr(mem_s)} and {short_repr(cores_s)}"
                 )
             mem, cores = int(mem_s), int(cores_s)
             if mem > 2**31 - 1 or cores > 100:
@@ -162,10 +163,10 @@ def decode_mig_allocations(value: str, *, obj: str = "") -> tuple[MigAllocation,
         di = _int(it, "deviceIndex", where, bad, default=0)
         gpu = it.get("gpuUUID")
         if not isinstance(gpu, str) or not _UUID_RE.match(gpu):
-            raise bad(f"{where}.gpuUUID must be a GPU UUID string, got {gpu!r}")
+            raise bad(f"{where}.gpuUUID must be a GPU UUID string, got {short_repr(gpu)}")
         profile = it.get("profile")
         if not isinstance(profile, str) or not profile:
-            raise bad(f"{where}.profile must be a non-empty string, got {profile!r}")
+            raise bad(f"{where}.profile must be a non-empty string, got {short_repr(profile)}")
         pl = it.get("placement")
         if not isinstance(pl, dict):
             raise bad(f"{where}.placement must be an object with start and size")
@@ -185,7 +186,7 @@ def decode_mig_allocations(value: str, *, obj: str = "") -> tuple[MigAllocation,
         if present:
             mig_uuid = it["migUUID"]
             if not isinstance(mig_uuid, str) or not mig_uuid.startswith("MIG-"):
-                raise bad(f"{where}.migUUID must be a MIG-… UUID, got {mig_uuid!r}")
+                raise bad(f"{where}.migUUID must be a MIG-… UUID, got {short_repr(mig_uuid)}")
             runtime = RuntimeIdentity(
                 mig_uuid,
                 _int(it, "gpuInstanceID", where, bad, default=None),
@@ -205,7 +206,7 @@ def _int(raw: dict[str, Any], key: str, where: str, bad: Any, *, default: int | 
             raise bad(f"{where}.{key} is missing")
         return default
     if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 2**31 - 1:
-        raise bad(f"{where}.{key} must be a non-negative integer, got {v!r}")
+        raise bad(f"{where}.{key} must be a non-negative integer, got {short_repr(v)}")
     return v
 
 
@@ -214,7 +215,7 @@ def decode_bind_phase(value: str, *, obj: str = "") -> BindPhase:
         if value == phase:
             return phase
     raise InvalidAnnotationError(
-        BIND_PHASE, f"{value!r} is not one of {', '.join(BIND_PHASES)}", obj=obj
+        BIND_PHASE, f"{short_repr(value)} is not one of {', '.join(BIND_PHASES)}", obj=obj
     )
 
 
@@ -225,6 +226,8 @@ def encode_bind_time(unix_seconds: int) -> str:
 def decode_bind_time(value: str, *, obj: str = "") -> int:
     if not _is_decimal(value) or len(value) > 12:
         raise InvalidAnnotationError(
-            BIND_TIME, f"must be unix seconds as a decimal integer, got {value!r}", obj=obj
+            BIND_TIME,
+            f"must be unix seconds as a decimal integer, got {short_repr(value)}",
+            obj=obj,
         )
     return int(value)

@@ -17,7 +17,7 @@ from typing import Any, Final, cast
 from scheduler_plugins import annotations as ann
 from scheduler_plugins.annotations import GPU_MODES, GpuMode, parse_gpu_mode
 from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidRequestError
+from scheduler_plugins.errors import InvalidRequestError, short_repr
 from scheduler_plugins.pod_annotations import (
     DeviceAlloc,
     MigAllocation,
@@ -46,23 +46,43 @@ _SUFFIX: Final = {
 }
 
 
+# Kubernetes quantities are int64 in milli-units at most; anything larger (or 1e999999, which
+# Decimal would overflow on, and 1e900000, which int() would take seconds to expand) is refused.
+_QUANTITY_MAX: Final = Decimal(2**63)
+_QUANTITY_MAX_ADJUSTED: Final = 24
+
+
 def parse_quantity(value: object) -> Decimal:
-    """A Kubernetes resource quantity ("2", "500m", "1Gi", 3) as a Decimal in base units."""
+    """A Kubernetes resource quantity ("2", "500m", "1Gi", 3) as a Decimal in base units.
+
+    ValueError for anything else, including non-finite and out-of-range (>= 2^63) values.
+    """
     if isinstance(value, bool):
-        raise ValueError(f"invalid quantity {value!r}")
+        raise ValueError(f"invalid quantity {short_repr(value)}")
     if isinstance(value, int | float):
-        return Decimal(str(value))
-    if not isinstance(value, str):
-        raise ValueError(f"invalid quantity {value!r}")
-    m = _QUANTITY_RE.match(value.strip())
-    if not m or m.group(2) not in _SUFFIX:
-        raise ValueError(f"invalid quantity {value!r}")
-    if m.group(2) == "" and m.group(1).lower().endswith("e"):
-        raise ValueError(f"invalid quantity {value!r}")
-    try:
-        return Decimal(m.group(1)) * _SUFFIX[m.group(2)]
-    except InvalidOperation as e:
-        raise ValueError(f"invalid quantity {value!r}") from e
+        if isinstance(value, int) and abs(value) >= _QUANTITY_MAX:
+            raise ValueError(f"quantity {short_repr(value)} is out of range")
+        number, suffix = Decimal(str(value)), ""
+    elif isinstance(value, str):
+        m = _QUANTITY_RE.match(value.strip())
+        if not m or m.group(2) not in _SUFFIX:
+            raise ValueError(f"invalid quantity {short_repr(value)}")
+        if m.group(2) == "" and m.group(1).lower().endswith("e"):
+            raise ValueError(f"invalid quantity {short_repr(value)}")
+        try:
+            number, suffix = Decimal(m.group(1)), m.group(2)
+        except InvalidOperation as e:
+            raise ValueError(f"invalid quantity {short_repr(value)}") from e
+    else:
+        raise ValueError(f"invalid quantity {short_repr(value)}")
+    if not number.is_finite():
+        raise ValueError(f"invalid quantity {short_repr(value)}")
+    if number and number.adjusted() > _QUANTITY_MAX_ADJUSTED:
+        raise ValueError(f"quantity {short_repr(value)} is out of range")
+    q = number * _SUFFIX[suffix]
+    if abs(q) >= _QUANTITY_MAX:
+        raise ValueError(f"quantity {short_repr(value)} is out of range")
+    return q
 
 
 @dataclass(frozen=True)
@@ -145,15 +165,16 @@ def _int_resource(key: str, cname: str, name: str, raw: object, lo: int, hi: int
     try:
         q = parse_quantity(raw)
     except ValueError as e:
-        raise InvalidRequestError(key, f"container {cname!r}: {name}: {e}") from None
+        raise InvalidRequestError(key, f"container {short_repr(cname)}: {name}: {e}") from None
     if q != q.to_integral_value():
         raise InvalidRequestError(
-            key, f"container {cname!r}: {name} must be a whole number, got {raw!r}"
+            key,
+            f"container {short_repr(cname)}: {name} must be a whole number, got {short_repr(raw)}",
         )
     v = int(q)
     if not lo <= v <= hi:
         raise InvalidRequestError(
-            key, f"container {cname!r}: {name} = {v} must be between {lo} and {hi}"
+            key, f"container {short_repr(cname)}: {name} = {v} must be between {lo} and {hi}"
         )
     return v
 
@@ -187,7 +208,7 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
             if memq_raw is not None:
                 memory_bytes += int(parse_quantity(memq_raw))
         except ValueError as e:
-            raise InvalidRequestError(key, f"container {cname!r}: {e}") from None
+            raise InvalidRequestError(key, f"container {short_repr(cname)}: {e}") from None
         if count_raw is None and mem_raw is None and pct_raw is None and cores_raw is None:
             continue
         count = (
@@ -199,14 +220,14 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
             if mem_raw is not None or pct_raw is not None or cores_raw is not None:
                 raise InvalidRequestError(
                     key,
-                    f"container {cname!r}: asks for GPU memory or cores with "
+                    f"container {short_repr(cname)}: asks for GPU memory or cores with "
                     f"{config.resource_count_name}: 0",
                 )
             continue
         if mem_raw is not None and pct_raw is not None:
             raise InvalidRequestError(
                 key,
-                f"container {cname!r}: set either {config.resource_memory_name} or "
+                f"container {short_repr(cname)}: set either {config.resource_memory_name} or "
                 f"{config.resource_memory_percentage_name}, not both",
             )
         mem = (
@@ -238,7 +259,8 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
         if mode is None:
             raise InvalidRequestError(
                 key,
-                f"annotation {ann.VGPU_MODE}: {mode_raw!r} is not one of {', '.join(GPU_MODES)}",
+                f"annotation {ann.VGPU_MODE}: {short_repr(mode_raw)} is not one of "
+                f"{', '.join(GPU_MODES)}",
             )
     try:
         node_policy = Policy.parse(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from scheduler_plugins.errors import short_repr
+
 
 class Policy(StrEnum):
     """Where to put load: binpack takes the highest usage score, spread the lowest."""
@@ -17,7 +19,7 @@ class Policy(StrEnum):
             return cls(name)
         except ValueError:
             valid = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown {what} {name!r}; valid: {valid}") from None
+            raise ValueError(f"unknown {what} {short_repr(name)}; valid: {valid}") from None
 
     @property
     def sign(self) -> float:

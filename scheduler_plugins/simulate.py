@@ -16,7 +16,7 @@ from typing import Any, Literal, cast
 import yaml
 
 from scheduler_plugins.binding import bind_annotations
-from scheduler_plugins.config import DeviceConfig
+from scheduler_plugins.config import YAML_LOADER, DeviceConfig
 from scheduler_plugins.decide import decide
 from scheduler_plugins.errors import InvalidAnnotationError, InvalidInputError, InvalidRequestError
 from scheduler_plugins.explain import explain
@@ -58,18 +58,21 @@ class Result:
 def load_objects(path: Path) -> list[dict[str, Any]]:
     """Kubernetes objects from multi-document YAML, or a ``kind: List``."""
     try:
-        docs = list(yaml.safe_load_all(path.read_text()))
+        docs = list(yaml.load_all(path.read_text(), Loader=YAML_LOADER))
     except OSError as e:
         raise SimulationInputError(f"{path}: cannot read: {e.strerror}") from e
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: e.g. a 2024-13-45 timestamp
         raise SimulationInputError(f"{path}: not valid YAML: {_one_line(str(e))}") from e
+    except RecursionError as e:
+        raise SimulationInputError(f"{path}: not valid YAML: nested too deeply") from e
     out: list[dict[str, Any]] = []
     for i, doc in enumerate(docs):
         if doc is None:
             continue
         if not isinstance(doc, dict):
             raise SimulationInputError(f"{path}: document {i + 1} is not a Kubernetes object")
-        items = doc.get("items") if doc.get("kind", "").endswith("List") else [doc]
+        kind = doc.get("kind", "")
+        items = doc.get("items") if isinstance(kind, str) and kind.endswith("List") else [doc]
         if not isinstance(items, list):
             raise SimulationInputError(f"{path}: document {i + 1}: items must be a list")
         for j, item in enumerate(items):

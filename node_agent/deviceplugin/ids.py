@@ -14,12 +14,13 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from node_agent.deviceplugin.types import PluginDevice
-from scheduler_plugins.errors import InvalidInputError
+from scheduler_plugins.errors import InvalidInputError, short_repr
 from scheduler_plugins.node_register import GpuDevice
 
-# Slot is canonical decimal (no sign, no leading zeros) so parse∘format is the identity; the
-# UUID part is greedy because GPU UUIDs contain dashes themselves.
-_DEVICE_ID = re.compile(r"(?P<uuid>\S+)-(?P<slot>0|[1-9][0-9]*)")
+# Slot is canonical decimal (no sign, no leading zeros) so parse∘format is the identity, and
+# at most 9 digits (int() refuses more than 4300); the UUID part is greedy because GPU UUIDs
+# contain dashes themselves.
+_DEVICE_ID = re.compile(r"(?P<uuid>\S+)-(?P<slot>0|[1-9][0-9]{0,8})")
 
 
 class InvalidDeviceIdError(InvalidInputError):
@@ -28,13 +29,15 @@ class InvalidDeviceIdError(InvalidInputError):
     def __init__(self, device_id: str, problem: str) -> None:
         self.device_id = device_id
         self.problem = problem
-        super().__init__(f"device id {device_id!r}: {problem}")
+        super().__init__(f"device id {short_repr(device_id)}: {problem}")
 
 
 def device_id(gpu_uuid: str, slot: int) -> str:
     """The kubelet device id of ``slot`` on GPU ``gpu_uuid``."""
     if not gpu_uuid or any(c.isspace() for c in gpu_uuid):
-        raise InvalidInputError(f"GPU uuid {gpu_uuid!r}: must be non-empty without whitespace")
+        raise InvalidInputError(
+            f"GPU uuid {short_repr(gpu_uuid)}: must be non-empty without whitespace"
+        )
     if slot < 0:
         raise InvalidInputError(f"GPU {gpu_uuid}: slot {slot} must be >= 0")
     return f"{gpu_uuid}-{slot}"

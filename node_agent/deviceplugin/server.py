@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from node_agent.deviceplugin.types import (
     PluginDevice,
 )
 from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
+from scheduler_plugins.unix_sockets import claim_socket_path, ensure_private_dir, restrict_socket
 
 log = structlog.get_logger(__name__)
 
@@ -235,9 +235,11 @@ class DevicePluginServer:
 
     ``start`` binds ``plugin_dir/socket_name`` (mode 0600, a stale socket removed first) and
     registers with the kubelet; it raises ``TemporaryError`` when the kubelet can't be
-    reached (nothing is left running then). Afterwards a watcher thread serves again when our
-    socket disappears and registers again whenever ``kubelet.sock`` is recreated. ``stop``
-    ends the streams, the server and the watcher and removes our socket; it is idempotent.
+    reached (nothing is left running then), and ``UnsafeSocketPathError`` when the plugin dir
+    is writable by others or the socket path holds a live socket, a symlink or another file.
+    Afterwards a watcher thread serves again when our socket disappears and registers again
+    whenever ``kubelet.sock`` is recreated. ``stop`` ends the streams, the server and the
+    watcher and removes our socket; it is idempotent.
     """
 
     def __init__(
@@ -357,8 +359,9 @@ class DevicePluginServer:
                 )
 
     def _serve(self) -> None:
-        self.plugin_dir.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_socket()
+        # The kubelet owns its plugin dir (root, 0750/0755): others may enter, never write.
+        ensure_private_dir(self.plugin_dir, root_may_own=True, others_may_enter=True)
+        claim_socket_path(self.socket_path)
         stopping = threading.Event()
         executor = ThreadPoolExecutor(
             max_workers=self._max_workers, thread_name_prefix=f"deviceplugin-{self.socket_name}"
@@ -377,7 +380,7 @@ class DevicePluginServer:
         try:
             if server.add_insecure_port(f"unix:{self.socket_path}") == 0:
                 raise TemporaryError(f"device plugin: cannot bind {self.socket_path}")
-            os.chmod(self.socket_path, 0o600)
+            restrict_socket(self.socket_path)
             server.start()
             serving.socket = _identity(self.socket_path)
         except BaseException:
@@ -385,18 +388,6 @@ class DevicePluginServer:
             raise
         self._serving = serving
         log.info("deviceplugin.serving", resource=self.resource_name, socket=str(self.socket_path))
-
-    def _remove_stale_socket(self) -> None:
-        try:
-            st = self.socket_path.lstat()
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise InvalidInputError(
-                f"{self.socket_path} exists and is not a socket; remove it or pick another "
-                "socket name"
-            )
-        self.socket_path.unlink(missing_ok=True)
 
     def _register(self) -> None:
         kubelet = _identity(self.kubelet_socket)
