@@ -1,18 +1,16 @@
 """``PluginServer``: watches + cache + servicer, served over gRPC on a Unix socket or TCP.
 
-The socket lives in a directory only the server's user can enter (created 0700) and is
-itself 0600; a stale socket from an earlier run is replaced, anything else at that path is
-refused. TCP is for development and listens on loopback only unless told otherwise. The
-server answers from its first moment (UNAVAILABLE until the state is rebuilt from the API)
-so the shim sees a clear status instead of a refused connection.
+The socket lives in a directory only the server's user can reach (created 0700; an existing
+one that others may reach is refused) and is itself 0600; a stale socket from an earlier run
+is replaced, anything else at that path (a live socket, a symlink, a file) is refused. TCP
+is for development and listens on loopback only unless told otherwise. The server answers
+from its first moment (UNAVAILABLE until the state is rebuilt from the API) so the shim sees
+a clear status instead of a refused connection.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
-import socket
-import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +25,17 @@ from scheduler_plugins.errors import InvalidInputError
 from scheduler_plugins.kube.client import Obj
 from scheduler_plugins.server.cache import ClusterCache
 from scheduler_plugins.server.events import EventRecorder
+from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
 from scheduler_plugins.server.servicer import SchedulerServicer
+from scheduler_plugins.server.tracing import Tracing
 from scheduler_plugins.server.watch import DEFAULT_BACKOFF, Backoff, Watches, WatchStream
+from scheduler_plugins.unix_sockets import (
+    UnsafeSocketPathError,
+    claim_socket_path,
+    ensure_private_dir,
+    is_socket,
+    restrict_socket,
+)
 
 log = structlog.get_logger("tessera.plugin_server")
 
@@ -41,6 +48,8 @@ class ServerKube(Protocol):
     def watch(
         self, path: str, resource_version: str | None = None, *, timeout_s: int = 60
     ) -> WatchStream: ...
+
+    def get(self, path: str) -> Any: ...
 
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any: ...
 
@@ -60,8 +69,25 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _metrics_listen(address: str, allow_remote: bool) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ServerAddressError(
+            f"metrics address must be HOST:PORT (port 0-65535; '' serves no metrics), "
+            f"got {address!r}"
+        )
+    if not allow_remote and not _loopback(host):
+        raise ServerAddressError(
+            f"metrics address {address!r} is not loopback; allow remote explicitly to serve "
+            "cluster GPU usage beyond this machine"
+        )
+    return host, int(port)
+
+
 class PluginServer:
-    """Exactly one of ``socket_path`` and ``tcp_address`` (``HOST:PORT``; port 0 picks one)."""
+    """Exactly one of ``socket_path`` and ``tcp_address`` (``HOST:PORT``; port 0 picks one).
+    ``metrics_address`` (``HOST:PORT``; port 0 picks one) serves ``/metrics`` over HTTP, by
+    the same loopback rule; None serves none."""
 
     def __init__(
         self,
@@ -76,6 +102,8 @@ class PluginServer:
         event_interval_s: float = 60.0,
         workers: int = 128,
         backoff: Backoff = DEFAULT_BACKOFF,
+        tracing: Tracing | None = None,
+        metrics_address: str | None = None,
     ) -> None:
         if (socket_path is None) == (tcp_address is None):
             raise ServerAddressError("give exactly one of a socket path and a TCP address")
@@ -88,10 +116,16 @@ class PluginServer:
                     f"TCP address {tcp_address!r} is not loopback; the protocol has no "
                     "authentication (use a Unix socket, or allow remote explicitly)"
                 )
+        metrics_listen = _metrics_listen(metrics_address, allow_remote) if metrics_address else None
         self.socket_path = socket_path
         self.tcp_address = tcp_address
         self.address = ""  # what the shim dials, set by start()
         self.cache = ClusterCache(config)
+        self.metrics_registry, metrics = server_metrics(self.cache.state, self.cache.lock)
+        self._metrics_server = (
+            MetricsServer(self.metrics_registry, *metrics_listen) if metrics_listen else None
+        )
+        self.metrics_address = ""  # HOST:PORT serving /metrics, set by start()
         self.watches = Watches(kube, self.cache, watch_timeout_s=watch_timeout_s, backoff=backoff)
         self.events = EventRecorder(kube, min_interval_s=event_interval_s)
         self.servicer = SchedulerServicer(
@@ -102,6 +136,8 @@ class PluginServer:
             prebind_wait_s=prebind_wait_s,
             # Parked PreBinds only wait on a condition; keep some workers for PreFilter & co.
             max_prebind_waiters=max(1, workers - 16),
+            tracing=tracing,
+            metrics=metrics,
         )
         self._workers = workers
         self._executor: ThreadPoolExecutor | None = None
@@ -121,7 +157,16 @@ class PluginServer:
         pb_grpc.add_SchedulerServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         if self.socket_path is not None:
             target = f"unix:{self.socket_path}"
-            server.add_insecure_port(target)
+            try:
+                bound = server.add_insecure_port(target)
+            except RuntimeError as e:
+                bound, error = 0, f": {e}"
+            else:
+                error = ""
+            if not bound:
+                self.stop()
+                raise ServerAddressError(f"cannot listen on {target}{error}")
+            restrict_socket(self.socket_path)  # before serving; the directory is private too
             self.address = target
         else:
             assert self.tcp_address is not None
@@ -132,11 +177,16 @@ class PluginServer:
                 raise ServerAddressError(f"cannot listen on {self.tcp_address}: {e}") from e
             host = self.tcp_address.rpartition(":")[0]
             self.address = f"{host}:{port}"
+        if self._metrics_server is not None:
+            try:
+                self._metrics_server.start()
+            except MetricsAddressError:
+                self.stop()
+                raise
+            self.metrics_address = self._metrics_server.address
         self.events.start()
         self.watches.start()
         server.start()
-        if self.socket_path is not None:
-            os.chmod(self.socket_path, 0o600)
         log.info("plugin server listening", address=self.address)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
@@ -150,9 +200,11 @@ class PluginServer:
             self._server.stop(grace_s).wait()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
         self.watches.stop()
         self.events.stop()
-        if self.socket_path is not None and _is_socket(self.socket_path):
+        if self.socket_path is not None and is_socket(self.socket_path):
             self.socket_path.unlink()
         log.info("plugin server stopped")
 
@@ -165,32 +217,8 @@ class PluginServer:
 
     @staticmethod
     def _prepare_socket(path: Path) -> None:
-        if not path.parent.exists():
-            path.parent.mkdir(mode=0o700, parents=True)
-        if path.exists() or path.is_symlink():
-            if not _is_socket(path):
-                raise ServerAddressError(
-                    f"{path} exists and is not a socket; remove it or choose another path"
-                )
-            if _listening(path):
-                raise ServerAddressError(
-                    f"{path}: another server is listening there; stop it or choose another path"
-                )
-            path.unlink()  # stale: left by a server that did not stop cleanly
-
-
-def _listening(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
         try:
-            s.connect(str(path))
-        except OSError:
-            return False
-        return True
-
-
-def _is_socket(path: Path) -> bool:
-    try:
-        return stat.S_ISSOCK(path.lstat().st_mode)
-    except FileNotFoundError:
-        return False
+            ensure_private_dir(path.parent)
+            claim_socket_path(path)
+        except UnsafeSocketPathError as e:
+            raise ServerAddressError(str(e)) from e

@@ -5,7 +5,9 @@ Owns three overlays on what the API shows:
 - *assumed* reservations (Reserve) count at once, until the watch shows the pod carrying the
   annotations PreBind wrote (or the pod bound), or until Unreserve forgets them;
 - *bind claims* (PreBind) mark a pod ``bind-phase: allocating`` on its node from the moment
-  the patch is decided, so a second PreBind cannot slip in before the watch catches up;
+  the patch is decided until the watch shows it bound there, so a second PreBind cannot slip
+  in before then; an unbound pod's bind annotations alone block nothing (they may be left
+  over from an attempt that never bound);
 - a *generation* that changes with every change that can alter a decision, so a cached
   Decision is used only while it is still exact.
 
@@ -82,6 +84,7 @@ class ClusterCache:
         self._clock = clock
         self.generation = 0
         self._listeners: list[Callable[[], None]] = []
+        self._settled_listeners: list[Callable[[str], None]] = []
         self._node_seen: dict[str, tuple[object, ...]] = {}
         self._pod_seen: dict[str, tuple[object, ...]] = {}
         # node -> pod key -> annotations, for pods the node agent sees as allocating there.
@@ -96,6 +99,16 @@ class ClusterCache:
         """Call ``callback`` (under the lock) before any change that can alter a decision."""
         with self.lock:
             self._listeners.append(callback)
+
+    def on_settled(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(pod key)`` (under the lock) when the watch shows a pod bound to a
+        node or gone: from then on no scheduler will Unreserve it."""
+        with self.lock:
+            self._settled_listeners.append(callback)
+
+    def _settled(self, key: str) -> None:
+        for cb in self._settled_listeners:
+            cb(key)
 
     def _mutating(self) -> None:
         self.generation += 1
@@ -183,6 +196,8 @@ class ClusterCache:
             if self._pod_seen.get(key) == fp:
                 return
             self._pod_seen[key] = fp
+            if spec.get("nodeName"):
+                self._settled(key)
             claim = self._claims.get(key)
             ours = claim is not None and _carries(annotations, claim.annotations)
             self._track_allocating(pod, key, node_name, annotations)
@@ -229,12 +244,22 @@ class ClusterCache:
             per_node.pop(key, None)
             if not per_node:
                 self._allocating.pop(before, None)
-        if node and is_candidate(pod, node):
+        # Only a pod bound to the node is allocating there: the node agent sees no other. An
+        # unbound pod's bind annotations are either this server's PreBind waiting for its
+        # Bind (its claim stands for it) or left over from an attempt that never bound (a
+        # server that died before Unreserve could take them back): those must not block.
+        bound = _dict(pod.get("spec")).get("nodeName") == node
+        if node and bound and is_candidate(pod, node):
             self._allocating.setdefault(node, {})[key] = dict(annotations)
             self._allocating_node[key] = node
         claim = self._claims.get(key)
-        if claim is not None and _carries(annotations, claim.annotations):
-            del self._claims[key]  # the watch shows our patch: it speaks for the pod now
+        if (
+            claim is not None
+            and claim.node == node
+            and bound
+            and _carries(annotations, claim.annotations)
+        ):
+            del self._claims[key]  # the watch shows it bound with our patch
         self._notify()
 
     def delete_pod(self, pod: Obj) -> None:
@@ -242,6 +267,7 @@ class ClusterCache:
 
     def forget_pod(self, key: str) -> None:
         with self.lock:
+            self._settled(key)
             self._pod_seen.pop(key, None)
             self._assumed.pop(key, None)
             self._claims.pop(key, None)
@@ -307,7 +333,10 @@ class ClusterCache:
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
         with self.lock:
+            before = self._claims.get(key)
             self._claims[key] = Claim(node, dict(annotations), self._clock())
+            if before is not None and before.node != node:
+                self._notify()  # an earlier attempt's claim on another node is gone
 
     def release_claim(self, key: str) -> None:
         with self.lock:

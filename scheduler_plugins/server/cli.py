@@ -12,10 +12,12 @@ import structlog
 
 from scheduler_plugins.config import DeviceConfig, load_config_file
 from scheduler_plugins.kube.client import KubeClient
+from scheduler_plugins.logs import add_logging_flags, configure_from_args
 
 log = structlog.get_logger("tessera.plugin_server")
 
 IN_CLUSTER = "in-cluster"
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9395"  # HAMi's scheduler metrics port
 
 
 def add_plugin_server_commands(
@@ -34,7 +36,18 @@ def add_plugin_server_commands(
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", metavar="PATH", help="serve on this Unix socket")
     where.add_argument("--address", metavar="HOST:PORT", help="serve on TCP (development)")
-    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --address")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --address or --metrics-address",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=DEFAULT_METRICS_ADDRESS,
+        metavar="HOST:PORT",
+        help=f"serve Prometheus metrics at http://HOST:PORT/metrics (default "
+        f"{DEFAULT_METRICS_ADDRESS}; '' serves none)",
+    )
     p.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
     p.add_argument(
         "--prebind-wait",
@@ -46,6 +59,7 @@ def add_plugin_server_commands(
     p.add_argument(
         "--watch-timeout", type=int, default=60, metavar="SECONDS", help="seconds per watch request"
     )
+    add_logging_flags(p)
     p.set_defaults(func=_cmd_plugin_server)
     return p
 
@@ -59,10 +73,14 @@ def _client(kubeconfig: str) -> KubeClient:
 def _cmd_plugin_server(args: argparse.Namespace) -> int:
     from scheduler_plugins.malloc import tune_allocator
     from scheduler_plugins.server.app import PluginServer
+    from scheduler_plugins.server.tracing import Tracing
 
+    configure_from_args(args)
     # Decisions allocate large numpy temporaries; keep glibc from trimming and refaulting.
     log.info("malloc.tuned", result=tune_allocator())
     config = load_config_file(args.config) if args.config else DeviceConfig()
+    tracing = Tracing.from_env()
+    log.info("tracing configured", enabled=tracing.enabled)
     done = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -71,6 +89,7 @@ def _cmd_plugin_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with (
+        tracing,  # on exit, exports the spans still queued
         _client(args.kubeconfig) as kube,
         PluginServer(
             kube,
@@ -80,6 +99,8 @@ def _cmd_plugin_server(args: argparse.Namespace) -> int:
             allow_remote=args.allow_remote,
             prebind_wait_s=args.prebind_wait,
             watch_timeout_s=args.watch_timeout,
+            tracing=tracing,
+            metrics_address=args.metrics_address or None,
         ) as server,
     ):
         while not done.wait(1.0):

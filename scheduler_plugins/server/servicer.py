@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -28,12 +29,14 @@ from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.binding import bind_annotations
 from scheduler_plugins.decide import Decision, PodPlan, reason_names
 from scheduler_plugins.decide import decide as core_decide
-from scheduler_plugins.errors import InvalidInputError
+from scheduler_plugins.errors import InvalidInputError, short_repr
 from scheduler_plugins.explain import explain, node_reasons
-from scheduler_plugins.kube.errors import KubeError, NotFoundError, TemporaryError
+from scheduler_plugins.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
 from scheduler_plugins.pods import PodRequest, parse_request
 from scheduler_plugins.server.cache import ClusterCache
 from scheduler_plugins.server.events import EventRecorder, PodEventTarget
+from scheduler_plugins.server.metrics import SchedulingMetrics, rejection_reasons
+from scheduler_plugins.server.tracing import Tracing, record_abort, record_response
 
 log = structlog.get_logger("tessera.plugin_server")
 
@@ -47,6 +50,8 @@ Resp = TypeVar("Resp")
 
 class Patcher(Protocol):
     """The part of ``KubeClient`` PreBind and Unreserve use."""
+
+    def get(self, path: str) -> Any: ...
 
     def merge_patch(
         self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
@@ -104,6 +109,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         max_prebind_waiters: int = 16,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
+        metrics: SchedulingMetrics | None = None,
     ) -> None:
         self._cache = cache
         self._kube = kube
@@ -116,36 +123,46 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._prebind_waiters = 0  # guarded by the cache lock
         self._wall_clock = wall_clock
         self._clock = clock
+        self._tracing = tracing or Tracing.off()
+        self._metrics = metrics if metrics is not None else SchedulingMetrics()
         self._ids = itertools.count(1)
         # All three are guarded by the cache lock.
         self._decisions: OrderedDict[str, _Cached] = OrderedDict()
         self._requests: OrderedDict[str, PodRequest] = OrderedDict()
         self._reservations: dict[str, _Reservation] = {}
+        self._reserved_as: dict[str, str] = {}  # pod key -> ident of its reservation
         # Any change of the state can change any verdict: a cached Decision is exact only
         # until then (dropping it also stops the state from copying columns for it).
         cache.on_change(self._decisions.clear)
+        # Once a pod is bound (or gone) nothing will Unreserve it: drop its reservation, or
+        # every pod ever scheduled would stay in memory.
+        cache.on_settled(self._drop_reservation)
 
     # ----- protocol ----------------------------------------------------------------------
 
     def PreFilter(
         self, request: pb.PreFilterRequest, context: grpc.ServicerContext
     ) -> pb.PreFilterResponse:
-        return _handle(self._prefilter, request, context, "PreFilter")
+        response = _handle(
+            self._prefilter, request, context, "PreFilter", self._tracing, self._metrics
+        )
+        self._metrics.count_answer(response.code)
+        return response
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
     ) -> pb.ReserveResponse:
-        return _handle(self._reserve, request, context, "Reserve")
+        return _handle(self._reserve, request, context, "Reserve", self._tracing, self._metrics)
 
     def Unreserve(
         self, request: pb.UnreserveRequest, context: grpc.ServicerContext
     ) -> pb.UnreserveResponse:
-        return _handle(self._unreserve, request, context, "Unreserve")
+        return _handle(self._unreserve, request, context, "Unreserve", self._tracing, self._metrics)
 
     def PreBind(
         self, request: pb.PreBindRequest, context: grpc.ServicerContext
     ) -> pb.PreBindResponse:
-        return _handle(self._prebind, request, context, "PreBind")
+        return _handle(self._prebind, request, context, "PreBind", self._tracing, self._metrics)
 
     # ----- handlers ----------------------------------------------------------------------
 
@@ -157,8 +174,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         invalid = pb.PreFilterResponse.INVALID
         try:
             pod = json.loads(request.pod_json)
-        except ValueError as e:
+        except ValueError as e:  # also invalid UTF-8
             return pb.PreFilterResponse(code=invalid, message=f"pod_json is not JSON: {e}")
+        except RecursionError:
+            return pb.PreFilterResponse(code=invalid, message="pod_json is nested too deeply")
         if not isinstance(pod, dict):
             return pb.PreFilterResponse(code=invalid, message="pod_json is not a JSON object")
         meta = pod.setdefault("metadata", {})
@@ -171,6 +190,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         ):
             if value and not meta.get(field):
                 meta[field] = value
+        bad_name = _bad_pod_name(meta.get("namespace") or "default", meta.get("name"))
+        if bad_name:
+            return pb.PreFilterResponse(code=invalid, message=f"pod_json: {bad_name}")
         try:
             req = parse_request(pod, self._cache.state.config)
         except InvalidInputError as e:
@@ -178,7 +200,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not req.wants_gpu:
             return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
         ident = req.uid or req.key
-        with self._cache.lock:
+        with self._tracing.span("decide"), self._cache.lock:
+            started = self._clock()
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
             names = [str(decision.layout.names[i]) for i in feasible.tolist()]
@@ -186,6 +209,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             total = len(decision.layout.names) + len(decision.layout.gpu_less)
             why = explain(decision, self._cache.state) if len(names) < total else ""
             per_node = node_reasons(why) if why else ""
+            pending = rejection_reasons(decision) if not names else 0
+            self._metrics.observe_decision(self._clock() - started, pending)
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
             _put(self._requests, ident, req)
@@ -215,7 +240,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_ready()
         ident, key = _ident(request.pod)
         node = request.node
-        with self._cache.lock:
+        with self._tracing.span("reserve"), self._cache.lock:
             cached = self._decisions.get(ident)
             if cached is not None and cached.decision_id == request.decision_id:
                 decision = cached.decision
@@ -228,12 +253,16 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                         "schedule it again",
                     )
                 decision = core_decide(self._cache.state, req)
+            _check_same_pod(decision.request.key, key, ident)
             plan = decision.plan_for(node)
             if plan is None:
                 _abort(grpc.StatusCode.ABORTED, _no_longer_fits(decision, key, node))
             req = decision.request
-            self._cache.assume(plan.allocation(req.cpu_milli, req.memory_bytes))
+            alloc = plan.allocation(req.cpu_milli, req.memory_bytes)
+            self._cache.assume(alloc)
+            self._metrics.reserved(alloc.key)
             self._reservations[ident] = _Reservation(plan)
+            self._reserved_as[key] = ident
         log.info("reserved", pod=key, node=node)
         return pb.ReserveResponse()
 
@@ -244,21 +273,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         ident, key = _ident(request.pod)
         with self._cache.lock:
-            res = self._reservations.pop(ident, None)
+            res = self._reservations.get(ident)
+            if res is not None:
+                _check_same_pod(res.plan.pod, key, ident)
+            self._reservations.pop(ident, None)
+            self._reserved_as.pop(key, None)
             self._cache.forget(key)
             self._cache.release_claim(key)
         if res is not None and res.patched is not None:
-            # PreBind wrote the reservation but the bind failed: take it back, or the
-            # unbound pod would keep counting on that node (best effort; logged).
-            undo = {"metadata": {"annotations": dict.fromkeys(res.patched)}}
-            try:
-                self._kube.merge_patch(_pod_path(*key.split("/", 1)), undo)
-            except NotFoundError:
-                pass
-            except KubeError as e:
-                log.warning(
-                    "cannot remove bind annotations", pod=key, node=res.plan.node, error=str(e)
-                )
+            self._take_back(key, res.plan.node, res.patched)
         log.info("unreserved", pod=key, node=request.node or None)
         return pb.UnreserveResponse()
 
@@ -276,18 +299,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.ABORTED,
                 f"no reservation for pod {key}; it is never bound without one",
             )
+        _check_same_pod(res.plan.pod, key, ident)
         if res.plan.node != node:
             _abort(
                 grpc.StatusCode.ABORTED,
                 f"pod {key} is reserved on node {res.plan.node}, not {node}",
             )
         annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
-        self._wait_and_claim(context, key, node, annotations)
+        with self._tracing.span("prebind.wait"):
+            self._wait_and_claim(context, key, node, annotations)
         body: dict[str, Any] = {"metadata": {"annotations": annotations}}
         if request.pod.uid:
             body["metadata"]["uid"] = request.pod.uid  # never annotate a recreated namesake
         try:
-            self._kube.merge_patch(_pod_path(*key.split("/", 1)), body)
+            with self._tracing.span("prebind.patch"):
+                self._kube.merge_patch(_pod_path(*key.split("/", 1)), body)
         except TemporaryError as e:
             self._cache.release_claim(key)
             _abort(grpc.StatusCode.UNAVAILABLE, f"cannot write bind annotations of {key}: {e}")
@@ -300,6 +326,36 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.PreBindResponse(annotations=annotations)
 
     # ----- helpers -----------------------------------------------------------------------
+
+    def _take_back(self, key: str, node: str, patched: Mapping[str, str]) -> None:
+        """PreBind wrote the reservation but the bind failed: take it back, or the unbound
+        pod would keep counting on that node (best effort; logged). Not from a pod that is
+        bound after all: a Bind whose answer was lost (the apiserver went away) may have
+        gone through, and then these annotations are the pod's allocation."""
+        path = _pod_path(*key.split("/", 1))
+        undo = {"metadata": {"annotations": dict.fromkeys(patched)}}
+        for _ in range(3):
+            try:
+                pod = self._kube.get(path)
+                bound_to = (pod.get("spec") or {}).get("nodeName")
+                if bound_to:
+                    log.warning(
+                        "bind reported failed but the pod is bound; keeping its annotations",
+                        pod=key,
+                        node=bound_to,
+                    )
+                    return
+                version = (pod.get("metadata") or {}).get("resourceVersion")
+                self._kube.merge_patch(path, undo, resource_version=version)
+                return
+            except NotFoundError:
+                return
+            except ConflictError:
+                continue  # changed since we read it (bound just now?): look again
+            except KubeError as e:
+                log.warning("cannot remove bind annotations", pod=key, node=node, error=str(e))
+                return
+        log.warning("cannot remove bind annotations: the pod keeps changing", pod=key, node=node)
 
     def _wait_and_claim(
         self, context: grpc.ServicerContext, key: str, node: str, annotations: dict[str, str]
@@ -354,6 +410,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 if waiting:
                     self._prebind_waiters -= 1
 
+    def _drop_reservation(self, key: str) -> None:
+        ident = self._reserved_as.pop(key, None)
+        if ident is not None:
+            self._reservations.pop(ident, None)
+            self._requests.pop(ident, None)
+
+    @property
+    def reservations_held(self) -> int:
+        with self._cache.lock:
+            return len(self._reservations)
+
     def _check_version(self, version: int) -> None:
         if version != pb.PROTOCOL_VERSION_1:
             _abort(
@@ -373,8 +440,37 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 def _ident(ref: pb.PodRef) -> tuple[str, str]:
     if not ref.name:
         _abort(grpc.StatusCode.INVALID_ARGUMENT, "pod.name is empty")
+    bad_name = _bad_pod_name(ref.namespace or "default", ref.name)
+    if bad_name:
+        _abort(grpc.StatusCode.INVALID_ARGUMENT, f"pod: {bad_name}")
     key = f"{ref.namespace or 'default'}/{ref.name}"
     return ref.uid or key, key
+
+
+def _check_same_pod(held: str, key: str, ident: str) -> None:
+    """The pod ref names the pod its uid was PreFiltered/reserved as: a ref mixing one pod's
+    uid with another's name must not reserve, bind or unreserve under the other's name."""
+    if held != key:
+        _abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"pod ref {key} (uid {ident}) does not match pod {held}, which that uid was "
+            "scheduled as",
+        )
+
+
+# What the API server accepts (a namespace is a DNS-1123 label, a pod name a DNS-1123
+# subdomain). Names end up in API paths (PreBind's patch, events): anything else is refused.
+_NAMESPACE_RE = re.compile(r"\A[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+_POD_NAME_RE = re.compile(r"\A[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
+
+
+def _bad_pod_name(namespace: object, name: object) -> str:
+    """Why ``namespace``/``name`` is not a Kubernetes pod's, or ""."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        return f"namespace {short_repr(namespace)} is not a valid Kubernetes namespace"
+    if not isinstance(name, str) or not _POD_NAME_RE.match(name):
+        return f"name {short_repr(name)} is not a valid Kubernetes pod name"
+    return ""
 
 
 def _put(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
@@ -392,16 +488,37 @@ def _no_longer_fits(decision: Decision, key: str, node: str) -> str:
     return f"node {node} no longer fits pod {key}: {why}"
 
 
+def _pod_key(request: object) -> str | None:
+    """``namespace/name`` of the request's pod, for logs."""
+    ref = getattr(request, "pod", None)
+    if ref is None or not ref.name:
+        return None
+    return f"{ref.namespace or 'default'}/{ref.name}"
+
+
 def _handle(
     fn: Callable[[Req, grpc.ServicerContext], Resp],
     request: Req,
     context: grpc.ServicerContext,
     method: str,
+    tracing: Tracing,
+    metrics: SchedulingMetrics,
 ) -> Resp:
-    try:
-        return fn(request, context)
-    except _Abort as e:
-        context.abort(e.code, e.message)
-    except Exception as e:
-        log.exception("handler failed", method=method, error=repr(e))
-        context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {e!r}")
+    started = time.perf_counter()
+    code = grpc.StatusCode.OK
+    with tracing.server_span(method, context, request) as span:
+        try:
+            response = fn(request, context)
+        except _Abort as e:
+            code = e.code
+            record_abort(span, e.code, e.message)
+            context.abort(e.code, e.message)
+        except Exception as e:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("handler failed", method=method, pod=_pod_key(request), error=repr(e))
+            record_abort(span, grpc.StatusCode.INTERNAL, repr(e))
+            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {e!r}")
+        finally:
+            metrics.observe_rpc(method, code.name, time.perf_counter() - started)
+        record_response(span, response)
+        return response

@@ -18,7 +18,11 @@ from scheduler_plugins.devcluster.cluster import Cluster, ClusterInfo
 from scheduler_plugins.devcluster.errors import ClusterError
 from scheduler_plugins.devcluster.layout import ClusterSettings
 from scheduler_plugins.devcluster.nodes import NodeGroup, NodeProfile, add_nodes, wait_ready
+from scheduler_plugins.devcluster.stack import SCHEDULER_NAME
 from scheduler_plugins.devcluster.testing import ClusterClient, build_tools, settings_in
+from scheduler_plugins.devcluster.webhook import start_webhook, stop_webhook
+from scheduler_plugins.kube.errors import NotFoundError
+from scheduler_plugins.webhook.manifest import API_PATH, DEFAULT_NAME
 
 BUILD_TIMEOUT_S = 3600  # a cold build of kube-apiserver on 2 cores takes many minutes
 
@@ -65,6 +69,22 @@ def dev_cluster(
             profile=PROFILE,
             nodes=tuple(names),
         )
+
+
+@pytest.fixture(scope="module")
+def webhook(dev_cluster: ClusterClient) -> Iterator[str]:
+    """Tessera's admission webhook registered with the dev cluster (its URL), trusting no
+    user, so the tests' admin meets every rule; unregistered and stopped afterwards."""
+    url = start_webhook(
+        dev_cluster.settings, scheduler_name=SCHEDULER_NAME, trusted_users=(), timeout_s=60
+    )
+    try:
+        yield url
+    finally:
+        stop_webhook(dev_cluster.settings)
+    # Left registered, it would refuse every later pod (failurePolicy Fail).
+    with pytest.raises(NotFoundError):
+        dev_cluster.api.get(f"{API_PATH}/{DEFAULT_NAME}")
 
 
 @pytest.fixture

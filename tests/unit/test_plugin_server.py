@@ -47,6 +47,11 @@ class FakeKube:
         self.posts: list[tuple[str, Any]] = []
         self.fail_with: Exception | None = None
         self.lock = threading.Lock()
+        self.objects: dict[str, dict[str, Any]] = {}  # GET answers; default: an unbound pod
+
+    def get(self, path: str) -> Any:
+        with self.lock:
+            return self.objects.get(path, {"metadata": {"resourceVersion": "1"}, "spec": {}})
 
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
         with self.lock:
@@ -412,6 +417,43 @@ def test_unreserve_after_prebind_takes_the_annotations_back(h: Harness) -> None:
     assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
 
 
+def test_unreserve_keeps_the_annotations_of_a_pod_bound_after_all(h: Harness) -> None:
+    """The Bind's answer was lost (the apiserver restarted) but the Bind went through: the
+    annotations are the bound pod's allocation and must stay."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    h.prebind("p", "n")
+    patches = len(h.kube.patches)
+    h.kube.objects["/api/v1/namespaces/default/pods/p"] = {
+        "metadata": {"resourceVersion": "7"},
+        "spec": {"nodeName": "n"},
+    }
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert len(h.kube.patches) == patches
+
+
+@pytest.mark.parametrize("seen", ["bound", "deleted"])
+def test_reservation_is_dropped_once_the_pod_is_bound_or_gone(h: Harness, seen: str) -> None:
+    # Nothing Unreserves a bound pod: keeping its reservation would grow without bound.
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    written = dict(h.prebind("p", "n").annotations)
+    patches = len(h.kube.patches)
+    bound = json.loads(json.dumps(pod))
+    bound["metadata"]["annotations"].update(written)
+    bound["spec"]["nodeName"] = "n"
+    if seen == "bound":
+        h.cache.apply_pod(bound)
+    else:
+        h.cache.delete_pod(bound)
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p", "n")
+    assert _code(e) == grpc.StatusCode.ABORTED and "no reservation" in _details(e)
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert len(h.kube.patches) == patches  # nothing left to take back
+
+
 def test_reserve_on_a_node_that_no_longer_fits_is_aborted(h: Harness) -> None:
     h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1)))
     r = h.prefilter(make_pod("p").gpu(1).build())
@@ -526,6 +568,34 @@ def test_own_claim_serializes_ambiguous_prebinds_before_the_watch_catches_up(
     h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
     h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
     h.prebind("p1", "n")
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p2", "n")
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "default/p1" in _details(e)
+
+
+def test_stale_bind_annotations_of_an_unbound_pod_block_nobody(h_short_wait: Harness) -> None:
+    """A pod whose PreBind patch outlived its attempt (the server died before Unreserve could
+    take it back) is not allocating anywhere: it must not hold up other pods' PreBinds."""
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    stale = _allocating("q", "n", [("GPU-2", 1000, 0)])
+    del stale["spec"]["nodeName"]
+    h.cache.apply_pod(stale)
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    t0 = time.monotonic()
+    h.prebind("p", "n")
+    assert time.monotonic() - t0 < 0.4
+
+
+def test_own_claim_holds_until_the_pod_is_seen_bound(h_short_wait: Harness) -> None:
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    written = dict(h.prebind("p1", "n").annotations)
+    p1 = make_pod("p1").gpu(1, mem=1000).build()
+    p1["metadata"]["annotations"].update(written)  # the watch shows the patch, not the bind
+    h.cache.apply_pod(p1)
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
     assert _code(e) == grpc.StatusCode.UNAVAILABLE and "default/p1" in _details(e)
