@@ -10,12 +10,22 @@ writing the same annotations a real node would. When pods end (deleted, Succeede
 Failed) and after every watch round it reconciles, so MIG instances of ended pods are
 destroyed. With ``state_dir`` each node's simulated NVML state survives restarts and is
 adopted on start.
+
+One watch feeds a ``PodIndex`` (pods by node, newest version of each), and the allocators
+read the pods of their node from it instead of listing them from the API: an allocation
+costs one patch. The index is at least as fresh as the event that asked for the work (the
+watch delivers events in order and the index is updated before the work is queued), and
+every patch answer goes into it at once, so a pod's next container sees its last one done.
+Work runs on a pool of threads, serially per node (``NodeQueues``): nodes never wait for
+each other, and repeated events for one pod collapse into one look at its newest version.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -25,14 +35,14 @@ import structlog
 from node_agent.allocator import Allocator
 from node_agent.gpu_catalog import find_model
 from node_agent.mig_manager import MigManager
-from node_agent.mig_records import desired_from_pods
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from node_agent.pod_matching import annotations_of
-from scheduler_plugins.annotations import BIND_PHASE, NODE_REGISTER
+from node_agent.mig_records import TERMINAL_PHASES, desired_from_pods
+from node_agent.nvml.simulated import CreationHold, SimulatedGpuSpec, SimulatedNvml
+from node_agent.pod_matching import annotations_of, pod_key
+from scheduler_plugins.annotations import BIND_PHASE, DEVICES_TO_ALLOCATE, NODE_REGISTER
 from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.errors import TesseraError
 from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import NotFoundError
+from scheduler_plugins.kube.errors import ApiError, ConflictError, NotFoundError
 from scheduler_plugins.kube.reflector import Reflector
 from scheduler_plugins.node_register import decode
 
@@ -40,6 +50,282 @@ log = structlog.get_logger(__name__)
 
 KWOK_NODE_ANNOTATION: Final = "kwok.x-k8s.io/node"
 MAX_CONTAINERS: Final = 256
+DEFAULT_WORKERS: Final = 16
+_NODE_FIELD: Final = "spec.nodeName="
+_RECONCILE: Final = ""  # queue item: reconcile the node (no pod)
+JSON_PATCH: Final = "application/json-patch+json"
+_TEST_FAILED: Final = 422  # a JSON patch "test" op that does not hold
+_HISTORY: Final = 4  # versions of each pod's metadata the index remembers
+_GUARDED_METADATA: Final = ("uid", "resourceVersion", "annotations")  # what guarded_ops reads
+_SPEC_KEPT: Final = ("nodeName", "initContainers", "containers")
+
+Obj = dict[str, Any]
+
+
+# The pod index ---------------------------------------------------------------------------------
+
+
+def _version(pod: Mapping[str, Any]) -> int | None:
+    rv = (pod.get("metadata") or {}).get("resourceVersion")
+    try:
+        return int(rv) if rv is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _node_of(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("spec") or {}).get("nodeName") or "")
+
+
+def slim(pod: Mapping[str, Any]) -> Obj:
+    """What the allocator and the MIG records read of a pod: metadata without managedFields,
+    the node, the containers and the phase (the index holds every pod of the cluster)."""
+    meta = {k: v for k, v in (pod.get("metadata") or {}).items() if k != "managedFields"}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    return {
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {k: spec[k] for k in _SPEC_KEPT if k in spec},
+        "status": {k: status[k] for k in ("phase",) if k in status},
+    }
+
+
+class PodIndex:
+    """The newest version seen of every pod (``slim``), by node (``spec.nodeName``);
+    thread-safe.
+
+    Fed by watch events and by the answers of this process's own writes, which may arrive
+    in either order: an object older than the one held (by resourceVersion, an etcd
+    revision on the dev cluster) is ignored, and so is one older than the pod's deletion.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[str, Obj] = {}
+        self._by_node: dict[str, dict[str, Obj]] = {}
+        self._deleted_at: dict[str, int] = {}  # key -> resourceVersion of its deletion
+        # key -> the last few versions' uid and annotations: what a writer read may be a
+        # step behind the newest.
+        self._history: dict[str, OrderedDict[str, Mapping[str, Any]]] = {}
+
+    def offer(self, pod: Mapping[str, Any]) -> bool:
+        """Keep ``pod`` unless a newer version (or its deletion) is already known."""
+        if not isinstance(pod, Mapping) or pod.get("kind", "Pod") != "Pod":
+            return False
+        key = pod_key(pod)
+        new = _version(pod)
+        with self._lock:
+            old = self._pods.get(key)
+            old_v = _version(old) if old is not None else self._deleted_at.get(key)
+            if new is not None and old_v is not None and new <= old_v:
+                return False
+            self._deleted_at.pop(key, None)
+            self._drop(key)
+            item = slim(pod)
+            meta = item["metadata"]
+            self._pods[key] = item
+            versions = self._history.setdefault(key, OrderedDict())
+            versions[str(meta.get("resourceVersion"))] = {
+                k: meta[k] for k in _GUARDED_METADATA if k in meta
+            }
+            while len(versions) > _HISTORY:
+                versions.popitem(last=False)
+            node = _node_of(item)
+            if node:
+                self._by_node.setdefault(node, {})[key] = item
+            return True
+
+    def delete(self, pod: Mapping[str, Any]) -> None:
+        key = pod_key(pod)
+        with self._lock:
+            self._drop(key)
+            self._history.pop(key, None)
+            version = _version(pod)
+            if version is not None:
+                self._deleted_at[key] = version
+
+    def replace_all(self, pods: list[Obj]) -> None:
+        """A fresh list: it is the whole truth (a re-list after a watch gap).
+
+        Swapped in at once: a reconcile running meanwhile must never see a half-filled
+        index (a pod missing from it is a pod whose MIG instances may be destroyed). A pod
+        known in a newer version than the listed one (the answer to this process's own
+        write, made while the list was on its way) keeps that version.
+        """
+        fresh = PodIndex()
+        for pod in pods:
+            fresh.offer(pod)
+        with self._lock:
+            for key, known in self._pods.items():
+                if key in fresh._pods:
+                    fresh.offer(known)  # taken only if newer than the listed version
+                    old = self._history.get(key, OrderedDict())
+                    merged = OrderedDict(old)
+                    merged.update(fresh._history.get(key, {}))
+                    while len(merged) > _HISTORY:
+                        merged.popitem(last=False)
+                    fresh._history[key] = merged
+            self._pods, self._by_node = fresh._pods, fresh._by_node
+            self._deleted_at, self._history = {}, fresh._history
+
+    def get(self, key: str) -> Obj | None:
+        with self._lock:
+            return self._pods.get(key)
+
+    def metadata_at(self, key: str, resource_version: str) -> Mapping[str, Any] | None:
+        """The pod's uid and annotations as they were at ``resource_version``, if still
+        remembered."""
+        with self._lock:
+            versions = self._history.get(key)
+            return None if versions is None else versions.get(resource_version)
+
+    def on_node(self, node: str) -> list[Obj]:
+        with self._lock:
+            return list(self._by_node.get(node, {}).values())
+
+    def _drop(self, key: str) -> None:
+        old = self._pods.pop(key, None)
+        if old is not None:
+            pods = self._by_node.get(_node_of(old))
+            if pods is not None:
+                pods.pop(key, None)
+                if not pods:
+                    self._by_node.pop(_node_of(old), None)
+
+
+class IndexedPodApi:
+    """The allocator's ``PodApi``: the pods of a node come from the index; reads and writes
+    go to the API and their answers update the index.
+
+    A patch of annotations under a resourceVersion precondition is sent as a JSON patch that
+    tests exactly the annotations it changes (their values at that version) and the pod's
+    uid, instead of the whole object's version: kwok's own status updates of a freshly bound
+    pod then no longer fail the agent's patch, while a change of what the allocator read
+    still does (as a ``ConflictError``, so it re-reads and retries as before).
+    """
+
+    def __init__(self, kube: KubeClient, index: PodIndex) -> None:
+        self._kube = kube
+        self._index = index
+
+    def get(self, path: str) -> Any:
+        obj = self._kube.get(path)
+        if isinstance(obj, Mapping):
+            self._index.offer(obj)
+        return obj
+
+    def list(self, path: str, *, field_selector: str | None = None) -> dict[str, Any]:
+        if path == "/api/v1/pods" and field_selector and field_selector.startswith(_NODE_FIELD):
+            node = field_selector[len(_NODE_FIELD) :]
+            if node and "," not in node:
+                return {"items": self._index.on_node(node)}
+        return self._kube.list(path, field_selector=field_selector)
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any:
+        ops = guarded_ops(self._read_at(path, resource_version), patch)
+        if ops is None:
+            obj = self._kube.merge_patch(path, patch, resource_version=resource_version)
+        else:
+            try:
+                obj = self._kube.request("PATCH", path, ops, content_type=JSON_PATCH)
+            except ApiError as e:
+                if e.status != _TEST_FAILED:
+                    raise
+                raise ConflictError(e.method, path, 409, "Conflict", e.message) from e
+        if isinstance(obj, Mapping):
+            self._index.offer(obj)
+        return obj
+
+    def _read_at(self, path: str, resource_version: str | None) -> Mapping[str, Any] | None:
+        """The pod at ``path`` as indexed at ``resource_version`` (its metadata)."""
+        parts = path.split("/")
+        if resource_version is None or len(parts) != 7 or parts[5] != "pods":
+            return None
+        meta = self._index.metadata_at(f"{parts[4]}/{parts[6]}", resource_version)
+        return None if meta is None else {"metadata": meta}
+
+
+def guarded_ops(pod: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> list[Obj] | None:
+    """A JSON patch setting the annotations of ``patch`` (a merge patch of annotations only)
+    that first tests ``pod``'s uid and the current values of those annotations; None when
+    ``patch`` is anything else or ``pod`` is unknown."""
+    if pod is None or set(patch) != {"metadata"}:
+        return None
+    meta = patch["metadata"]
+    if not isinstance(meta, Mapping) or set(meta) != {"annotations"}:
+        return None
+    wanted = meta["annotations"]
+    if not isinstance(wanted, Mapping) or not all(isinstance(v, str) for v in wanted.values()):
+        return None
+    pod_meta = pod.get("metadata") or {}
+    current = pod_meta.get("annotations") or {}
+    uid = pod_meta.get("uid")
+    if not uid or not current:
+        return None
+    ops: list[Obj] = [{"op": "test", "path": "/metadata/uid", "value": uid}]
+    for key, value in wanted.items():
+        where = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        if key in current:
+            ops.append({"op": "test", "path": where, "value": current[key]})
+        # Absent keys are only ever written by this agent's serial per-node work.
+        ops.append({"op": "add", "path": where, "value": value})
+    return ops
+
+
+# Per-node serial work on a shared pool -----------------------------------------------------------
+
+
+class NodeQueues:
+    """Items queued per node, run by ``handler`` on a thread pool: one node's items in order
+    and one at a time, different nodes in parallel. An item already waiting is not queued
+    twice (the handler reads the newest state when it runs)."""
+
+    def __init__(self, handler: Callable[[str, str], None], *, workers: int) -> None:
+        self._handler = handler
+        self._lock = threading.Lock()
+        self._pending: dict[str, OrderedDict[str, None]] = {}
+        self._running: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kwok")
+        self._closed = False
+
+    def submit(self, node: str, item: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._pending.setdefault(node, OrderedDict())[item] = None
+            if node in self._running:
+                return
+            self._running.add(node)
+        self._pool.submit(self._drain, node)
+
+    def _drain(self, node: str) -> None:
+        while True:
+            with self._lock:
+                queue = self._pending.get(node)
+                if not queue or self._closed:
+                    self._pending.pop(node, None)
+                    self._running.discard(node)
+                    return
+                item, _ = queue.popitem(last=False)
+            try:
+                self._handler(node, item)
+            except Exception as e:  # one bad item must not stop the node's queue
+                log.exception("kwok.work_failed", node=node, item=item, error=repr(e))
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._running
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# The agents ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -48,6 +334,7 @@ class FakeNode:
     backend: SimulatedNvml
     mig: MigManager
     allocator: Allocator
+    has_mig: bool = False
 
 
 class KwokAgents:
@@ -60,6 +347,7 @@ class KwokAgents:
         *,
         state_dir: Path | None = None,
         watch_timeout_s: int = 10,
+        workers: int = DEFAULT_WORKERS,
     ) -> None:
         self._kube = kube
         self._config = config
@@ -68,6 +356,10 @@ class KwokAgents:
         self._nodes: dict[str, FakeNode | None] = {}
         self._lock = threading.Lock()
         self._reflector: Reflector | None = None
+        self.pods = PodIndex()
+        self._pod_api = IndexedPodApi(kube, self.pods)
+        self._queues = NodeQueues(self._work, workers=workers)
+        self._hold = CreationHold.from_env()  # None outside the fault tests
 
     # Per node -----------------------------------------------------------------------------
 
@@ -97,19 +389,15 @@ class KwokAgents:
             for d in devices
         ]
         state = self._state_dir / f"{name}.json" if self._state_dir else None
-        backend = SimulatedNvml(specs, state, node_name=name)
+        backend = SimulatedNvml(specs, state, node_name=name, hold=self._hold)
         backend.init()
         mig = MigManager(backend, node_name=name)
         mode = devices[0].mode if devices else None
-        allocator = Allocator(name, self._kube, backend, mig, self._config, operating_mode=mode)
-        read = desired_from_pods(self._pods_on(name), node_name=name)
+        allocator = Allocator(name, self._pod_api, backend, mig, self._config, operating_mode=mode)
+        read = desired_from_pods(self.pods.on_node(name), node_name=name)
         mig.adopt_on_start(read.desired, reason=read.reason)
         log.info("kwok.node_agent_started", node=name, gpus=len(specs))
-        return FakeNode(name, backend, mig, allocator)
-
-    def _pods_on(self, node: str) -> list[dict[str, Any]]:
-        answer = self._kube.list("/api/v1/pods", field_selector=f"spec.nodeName={node}")
-        return list(answer.get("items") or [])
+        return FakeNode(name, backend, mig, allocator, has_mig=any(s.mig_enabled for s in specs))
 
     def allocate(self, node: FakeNode, namespace: str, name: str) -> None:
         """Every remaining container of the pod, in order, as the kubelet would."""
@@ -118,46 +406,60 @@ class KwokAgents:
                 return
 
     def reconcile(self, node: FakeNode) -> None:
-        read = desired_from_pods(self._pods_on(node.name), node_name=node.name)
+        read = desired_from_pods(self.pods.on_node(node.name), node_name=node.name)
         node.mig.reconcile(read.desired, reason=read.reason)
 
+    # Events -------------------------------------------------------------------------------
+
     def handle(self, event_type: str, pod: Mapping[str, Any]) -> None:
-        """React to one pod event (also used for the listed pods, as ADDED)."""
-        meta = pod.get("metadata") or {}
-        node_name = (pod.get("spec") or {}).get("nodeName")
-        if not node_name:
-            return
+        """React to one pod event (also used for the listed pods, as ADDED): index it at
+        once, and queue a look at it on its node."""
+        if event_type == "DELETED":
+            self.pods.delete(pod)
+        else:
+            self.pods.offer(pod)
+        node_name = _node_of(pod)
+        if node_name:
+            self._queues.submit(node_name, pod_key(pod))
+
+    def _work(self, node_name: str, key: str) -> None:
         node = self.node(node_name)
         if node is None:
             return
-        ended = (
-            event_type == "DELETED"
-            or meta.get("deletionTimestamp")
-            or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-        )
         try:
-            if ended:
+            if key == _RECONCILE:
                 self.reconcile(node)
-            elif annotations_of(pod).get(BIND_PHASE) == "allocating":
-                self.allocate(node, meta.get("namespace") or "default", meta.get("name", ""))
+                return
+            pod = self.pods.get(key)
+            if pod is None or _node_of(pod) != node_name or _ended(pod):
+                if node.has_mig:
+                    self.reconcile(node)
+            elif annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod):
+                namespace, _, name = key.partition("/")
+                self.allocate(node, namespace, name)
         except TesseraError as e:
-            log.warning("kwok.pod_failed", node=node_name, pod=meta.get("name"), error=str(e))
+            log.warning("kwok.pod_failed", node=node_name, pod=key, error=str(e))
 
     def pass_all(self) -> None:
-        """Reconcile every fake node known so far (the periodic pass)."""
+        """Queue a reconcile of every fake node with MIG GPUs known so far (the periodic
+        pass)."""
         with self._lock:
-            nodes = [n for n in self._nodes.values() if n is not None]
-        for node in nodes:
-            try:
-                self.reconcile(node)
-            except TesseraError as e:
-                log.warning("kwok.reconcile_failed", node=node.name, error=str(e))
+            nodes = [n.name for n in self._nodes.values() if n is not None and n.has_mig]
+        for name in nodes:
+            self._queues.submit(name, _RECONCILE)
+
+    def idle(self) -> bool:
+        """Nothing queued or running (for tests and benchmarks)."""
+        return self._queues.idle()
 
     # Loop ---------------------------------------------------------------------------------
 
     def _listed(self, pods: list[dict[str, Any]], listed_at: float) -> None:
+        self.pods.replace_all(pods)
         for pod in pods:
-            self.handle("ADDED", pod)
+            node_name = _node_of(pod)
+            if node_name:
+                self._queues.submit(node_name, pod_key(pod))
 
     def start(self) -> None:
         """List + watch all pods (relists on 410 Gone, backs off on errors); every watch
@@ -173,10 +475,11 @@ class KwokAgents:
         self._reflector.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop, wait for it, and shut every simulated NVML session down."""
+        """Stop the loop and the workers, and shut every simulated NVML session down."""
         if self._reflector is not None:
             self._reflector.stop(timeout_s)
             self._reflector = None
+        self._queues.close()
         with self._lock:
             nodes = [n for n in self._nodes.values() if n is not None]
         for node in nodes:
@@ -188,3 +491,16 @@ class KwokAgents:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _ended(pod: Mapping[str, Any]) -> bool:
+    meta = pod.get("metadata") or {}
+    return (
+        bool(meta.get("deletionTimestamp"))
+        or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES
+    )
+
+
+def _has_pending(pod: Mapping[str, Any]) -> bool:
+    """Some container's to-allocate entry is not empty yet."""
+    return bool(annotations_of(pod).get(DEVICES_TO_ALLOCATE, "").strip(";"))

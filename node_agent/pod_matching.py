@@ -169,7 +169,7 @@ def match_pod(
         )
         raise NoMatchingPodError(
             f"no pod on node {node_name} with {BIND_PHASE}=allocating has a next GPU "
-            f"container asking {size} device(s) (request: {_describe(wanted)}){extra}"
+            f"container asking {size} device(s) (request: {_describe(wanted)[:300]}){extra[:600]}"
         )
     who = ", ".join(m.key for m in matches)
     extra = f"; pods with unreadable annotations: {'; '.join(unreadable)}" if unreadable else ""

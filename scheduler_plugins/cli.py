@@ -71,14 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from node_agent.cli import add_node_agent_commands
+    from scheduler_plugins.bench.cli import add_bench_command
+    from scheduler_plugins.check import add_check_command
     from scheduler_plugins.devcluster.cli import add_cluster_commands
     from scheduler_plugins.devcluster.demo import add_demo_command
     from scheduler_plugins.server.cli import add_plugin_server_commands
+    from scheduler_plugins.webhook.cli import add_webhook_commands
 
     add_cluster_commands(sub)
     add_demo_command(sub)
     add_node_agent_commands(sub)
     add_plugin_server_commands(sub)
+    add_check_command(sub)
+    add_webhook_commands(sub)
+    add_bench_command(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

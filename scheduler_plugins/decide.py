@@ -1,9 +1,12 @@
 """One scheduling decision per pod: every node's verdict, score and planned devices.
 
-This is what the plugin server answers in one round trip. All nodes are evaluated with
-vectorized numpy over the GPU rows of ``ClusterState``; only the chosen node's plan is
-turned into Python objects (``Decision.plan_for``). A Decision is valid until the next
-change of the state it was computed from.
+This is what the plugin server answers in one round trip. Every node's verdict comes from
+vectorized numpy over per-path tables of the GPU rows of ``ClusterState``: mostly from how many
+GPUs of a node can take a device of each container (``_feasible``), with the full evaluation
+(``_evaluate``: devices picked and counted container by container) only for the nodes those
+counts can't decide. A node's planned devices are evaluated when asked for (``plan_for``; a
+scheduling cycle reserves one node), and failure reasons when an explanation needs them. A
+Decision is valid until the next change of the state it was computed from.
 """
 
 from __future__ import annotations
@@ -129,9 +132,12 @@ class _ContainerPlan:
 class Decision:
     """Verdicts for every node (segments of the layout, plus GPU-less nodes).
 
-    ``reasons`` (Reason bits per node, meaningful where not feasible) is computed on first
-    access: only explanations need it. Until then the decision reads the state's live GPU
-    columns; the state tells it before they change, and it keeps a copy of them.
+    ``feasible`` is exact for every node. What only some callers need is computed on first
+    use: ``reasons`` (Reason bits per node, meaningful where not feasible; only explanations
+    need them) and a node's planned devices (``plan_for``; a scheduling cycle reserves one
+    node). Both come from the GPU columns as they were at the decision: until they are
+    computed the decision reads the state's live columns; the state tells it before they
+    change, and it keeps a copy of them.
     """
 
     def __init__(
@@ -141,22 +147,24 @@ class Decision:
         feasible: B,
         score: F64,
         desirability: F64,
-        plans: list[_ContainerPlan],
         state: ClusterState,
+        masks: _Masks,
         reasons: I64 | None = None,
-        uuid_ok: B | None = None,
+        evaluated: _Evaluated | None = None,
     ) -> None:
         self.request = request
         self.layout = layout
         self.feasible = feasible  # [S]
         self.score = score  # [S] node usage score before this pod
         self.desirability = desirability  # [S] higher is better (score signed by node policy)
-        self._plans = plans
         self._state = state
+        self._masks = masks
         self._reasons = reasons
-        self._uuid_ok = uuid_ok
+        # Plans by segment, as computed: (plans, row of the segment in them).
+        self._plans: dict[int, tuple[list[_ContainerPlan], int]] = {}
+        self._evaluated = evaluated  # what the decision evaluated in full already
         self._view: _View | None = None
-        if reasons is None:
+        if reasons is None or feasible.any():
             self._view = _View(state.gpus, state.geometries, state.types)
             state.watch(self)
 
@@ -165,13 +173,16 @@ class Decision:
         """[S] Reason bits, meaningful where not feasible."""
         if self._reasons is None:
             assert self._view is not None
-            self._reasons = _reference(self._view, self.layout, self.request, self._uuid_ok)[1]
-            self._view = None
+            self._reasons = _reasons(
+                self._view, self.layout, self.request, self._masks.uuid_ok, self.feasible
+            )
+            if not self.feasible.any():  # no plan will ever be asked for
+                self._view = None
         return self._reasons
 
     def state_changing(self) -> None:
-        """The state is about to change: keep the columns the lazy reasons need."""
-        if self._reasons is None and self._view is not None:
+        """The state is about to change: keep the columns the lazy results need."""
+        if self._view is not None:
             self._view = self._view.frozen(self.layout.n_rows)
 
     # --- queries ---
@@ -181,15 +192,8 @@ class Decision:
 
     def best_node(self) -> str | None:
         """Highest desirability; ties by node name."""
-        idx = np.flatnonzero(self.feasible)
-        if idx.size == 0:
-            return None
-        des = self.desirability[idx]
-        tied = idx[des >= des.max() - 1e-9]
-        rank = self.layout.name_rank
-        if rank is None or tied.size < 8:
-            return min(str(self.layout.names[i]) for i in tied.tolist())
-        return str(self.layout.names[int(tied[rank[tied].argmin()])])
+        s = _best(self.feasible, self.desirability, self.layout)
+        return None if s < 0 else str(self.layout.names[s])
 
     def node_index(self, node: str) -> int:
         return self.layout.seg_index.get(node, -1)
@@ -199,19 +203,20 @@ class Decision:
         s = self.node_index(node)
         if s < 0 or not self.feasible[s]:
             return None
+        plans, row = self._plans_of(s)
         state = self._state
         g = state.gpus
         per_container: dict[int, tuple[PlannedDevice, ...]] = {}
-        for cp in self._plans:
+        for cp in plans:
             devices: list[PlannedDevice] = []
             for k in range(cp.request.count):
-                r = int(cp.rows[s, k])
+                r = int(cp.rows[row, k])
                 uuid = _row_uuid(state, node, r)
-                rank = int(cp.mig_rank[s, k])
+                rank = int(cp.mig_rank[row, k])
                 if rank >= 0:
                     geom = state.geometries[int(g.geom[r])]
                     prof = geom.profiles[rank]
-                    start = int(cp.mig_start[s, k])
+                    start = int(cp.mig_start[row, k])
                     size = next(p.size for p in prof.placements if p.start == start)
                     devices.append(
                         PlannedDevice(
@@ -220,7 +225,7 @@ class Decision:
                             prof.core,
                             prof.name,
                             Placement(start, size),
-                            float(cp.gpu_score[s, k]),
+                            float(cp.gpu_score[row, k]),
                         )
                     )
                 else:
@@ -229,7 +234,7 @@ class Decision:
                             uuid,
                             cp.request.mem_for(int(g.mem[r])),
                             cp.request.cores,
-                            gpu_score=float(cp.gpu_score[s, k]),
+                            gpu_score=float(cp.gpu_score[row, k]),
                         )
                     )
             per_container[cp.request.index] = tuple(devices)
@@ -253,9 +258,68 @@ class Decision:
         out += [(name, False, 0.0, [REASON_TEXT[Reason.NO_GPU]]) for name in self.layout.gpu_less]
         return sorted(out)
 
+    def _plans_of(self, s: int) -> tuple[list[_ContainerPlan], int]:
+        """The plans of feasible segment ``s``, and its row in them: from what the decision
+        evaluated already, or evaluated now for ``s`` alone."""
+        found = self._plans.get(s)
+        if found is None:
+            if self._evaluated is not None and (row := self._evaluated.row(s)) >= 0:
+                found = (self._evaluated.plans, row)
+            else:
+                found = (self._evaluate_node(s), 0)
+            self._plans[s] = found
+        return found
+
+    def _evaluate_node(self, s: int) -> list[_ContainerPlan]:
+        """The full evaluation (``_evaluate``) of segment ``s`` alone: its planned devices."""
+        assert self._view is not None
+        layout = self.layout
+        owned = layout.scratch.acquire()  # for the tables' memo; never waits
+        try:
+            ok, plans = _evaluate(
+                self._view, layout, self.request, self._masks, np.array([s], np.int64), owned
+            )
+        finally:
+            if owned:
+                layout.scratch.release()
+        if not ok[0]:
+            raise RuntimeError(
+                f"node {layout.names[s]} was counted feasible for {self.request.key} but its "
+                "evaluation finds no devices (a scheduling-core bug; please report it)"
+            )
+        return plans
+
     def _check_fresh(self) -> None:
         if self._state.layout_version != self.layout.version:
             raise RuntimeError("decision used after the cluster layout changed; decide again")
+
+
+def _best(feasible: B, desirability: F64, layout: Layout) -> int:
+    """The feasible segment of highest desirability, ties by node name; -1 if none."""
+    idx = np.flatnonzero(feasible)
+    if idx.size == 0:
+        return -1
+    des = desirability[idx]
+    tied = idx[des >= des.max() - 1e-9]
+    rank = layout.name_rank
+    if rank is None or tied.size < 8:
+        return int(min(tied.tolist(), key=layout.names.__getitem__))
+    return int(tied[rank[tied].argmin()])
+
+
+@dataclass(frozen=True)
+class _Evaluated:
+    """Plans from a full evaluation of some segments (``segs``; None: all of them)."""
+
+    segs: I64 | None
+    plans: list[_ContainerPlan]
+
+    def row(self, s: int) -> int:
+        """The row of segment ``s`` in ``plans``; -1 if not evaluated."""
+        if self.segs is None:
+            return s
+        i = int(np.searchsorted(self.segs, s))
+        return i if i < self.segs.size and int(self.segs[i]) == s else -1
 
 
 def _row_uuid(state: ClusterState, node: str, row: int) -> str:
@@ -354,36 +418,202 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
             layout.scratch.release()
 
 
+@dataclass(frozen=True)
+class _Masks:
+    """What a request excludes regardless of usage: GPU types and UUIDs (by its selectors), and
+    every GPU with inconsistent MIG reservations when there is any (``conflict``)."""
+
+    ok_types: B | None  # by type id
+    uuid_ok: B | None  # by GPU row
+    conflict: bool
+
+
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
     n = layout.n_rows
     S = len(layout.names)
-    uuid_ok = _uuid_mask(state, request, n) if request.use_uuids or request.nouse_uuids else None
+    uuid_ok = (
+        _uuid_mask(state, layout, request, owned)
+        if request.use_uuids or request.nouse_uuids
+        else None
+    )
     if S == 0:  # no node registers a GPU
         empty = np.zeros(0)
+        masks = _Masks(None, uuid_ok, False)
         return Decision(
             request,
             layout,
             np.zeros(0, np.bool_),
             empty,
             empty,
-            [],
             state,
+            masks,
             reasons=np.zeros(0, np.int64),
         )
-    g = state.gpus
-    allow_core = request.mode in (None, "hami-core")
-    allow_mig = request.mode in (None, "mig")
     ok_types: B | None = None
     if request.use_types or request.nouse_types:
         ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
-    conflict = bool(g.conflict[:n].any())
+    masks = _Masks(ok_types, uuid_ok, bool(state.gpus.conflict[:n].any()))
+    score = _node_scores(state, layout)
+    desirability = score * request.node_policy.sign
+    feasible, evaluated = _feasible(state, layout, request, masks, owned, desirability)
+    return Decision(
+        request=request,
+        layout=layout,
+        feasible=feasible,
+        score=score,
+        desirability=desirability,
+        state=state,
+        masks=masks,
+        evaluated=evaluated,
+    )
+
+
+# Feasibility without planning devices. A container fits a path of a node when enough of the
+# node's GPUs on that path can each take one of its devices, counted on the usage before the
+# pod: usage only grows while a pod is planned, so a GPU that can't take a device then never
+# can, and a GPU no earlier container of the pod touched is as it was. Hence, with D devices
+# planned before container c (at most D GPUs touched):
+#   sure:     some path has >= count(c) + D fitting GPUs          (untouched ones suffice)
+#   possible: some path has >= count(c) fitting GPUs (hami-core: distinct cards) or >= 1 (MIG:
+#             one card can take several instances)
+# A node is feasible if every container is sure, infeasible if one is not possible; only the
+# nodes in between get the full evaluation. Single-container pods (apart from MIG with several
+# devices) have none in between.
+
+
+def _feasible(
+    state: ClusterState,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    owned: bool,
+    desirability: F64,
+) -> tuple[B, _Evaluated | None]:
+    """Every node's verdict, and the plans of the nodes evaluated in full for it: those the
+    counts can't decide and, with them, the best node the counts find feasible (so the plan of
+    the best node, whichever it turns out to be, is among them)."""
+    S = len(layout.names)
+    if not request.containers:
+        return np.ones(S, np.bool_), None
+    paths = _paths(state, layout, request, masks, owned, None, kept_usage=owned)
+    sure = np.ones(S, np.bool_)
+    possible = sure.copy()
+    counts: dict[tuple[int, int, int], list[npt.NDArray[Any] | None]] = {}
+    before = 0  # devices of the containers planned before this one
+    for c in request.containers:
+        key = (c.mem_mib, c.mem_percent, c.cores)
+        per_path = counts.get(key)
+        if per_path is None:
+            per_path = counts[key] = [p.fit_counts(c) for p in paths]
+        # The first container's count is exact on hami-core, and on MIG for one device.
+        exact = before == 0 and (c.count == 1 or not any(p.mig for p in paths))
+        sure_c = np.zeros(S, np.bool_)
+        possible_c = sure_c if exact else np.zeros(S, np.bool_)
+        for path, cnt in zip(paths, per_path, strict=True):
+            if cnt is None:  # no GPU of this path can take one device
+                continue
+            nodes = path.table.nodes
+            sure_c[nodes] |= cnt >= before + c.count
+            if not exact:
+                possible_c[nodes] |= cnt >= (1 if path.mig else c.count)
+        sure &= sure_c
+        possible &= possible_c
+        before += c.count
+    unsure = possible
+    unsure &= ~sure
+    if not unsure.any():
+        return sure, None
+    best = _best(sure, desirability, layout)
+    if best >= 0:
+        unsure[best] = True
+    segs = np.flatnonzero(unsure)
+    if segs.size * 3 > S:  # the full tables are cheaper than gathering most of their rows
+        ok, plans = _evaluate(state, layout, request, masks, None, owned)
+        return ok, _Evaluated(None, plans)
+    ok, plans = _evaluate(state, layout, request, masks, segs, owned)
+    sure[segs] = ok
+    return sure, _Evaluated(segs, plans)
+
+
+def _paths(
+    src: _StateLike,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    owned: bool,
+    segs: I64 | None,
+    *,
+    kept_usage: bool = False,
+) -> list[_Path]:
+    """The request's paths (hami-core, MIG: the allowed ones with GPUs), over the whole tables
+    or only the rows of segments ``segs``. ``kept_usage``: the paths read the usage each table
+    keeps (``_kept_usage``; ``src`` is the state, the tables' scratch is owned) and must not
+    count devices in it."""
+    allow_core = request.mode in (None, "hami-core")
+    allow_mig = request.mode in (None, "mig")
     paths: list[_Path] = []
     for allow, table, mig in ((allow_core, layout.core, False), (allow_mig, layout.mig, True)):
-        if allow and table is not None and table.nodes.size:
+        if not allow or table is None or not table.nodes.size:
+            continue
+        memo = table.scratch.memo if owned else None
+        if segs is None:
             scratch = table.scratch if owned else Scratch()
-            paths.append(_Path(state, table, ok_types, uuid_ok, conflict, mig=mig, scratch=scratch))
+            usage = None
+            if kept_usage:
+                assert isinstance(src, ClusterState) and owned
+                usage = _kept_usage(src, table, mig)
+            paths.append(_Path(src, table, masks, mig=mig, scratch=scratch, memo=memo, usage=usage))
+            continue
+        sub = _rows_of(table, segs, memo)
+        if sub is not None:
+            paths.append(_Path(src, sub, masks, mig=mig, scratch=Scratch(), memo=memo, full=table))
+    return paths
 
-    work = layout.scratch if owned else Scratch()
+
+def _kept_usage(state: ClusterState, table: PathTable, mig: bool) -> tuple[F64, F64, F64, I64]:
+    """The state's usage columns gathered into ``table`` [P, W] (used slots, memory, cores, MIG
+    mask; an empty mask for hami-core), kept with the table and refreshed where pods changed
+    rows since: gathering 40k-row columns is most of what a decision costs otherwise. Only the
+    table's ok positions are kept current. Call while owning the table's scratch; read-only."""
+    memo = table.scratch.memo
+    g = state.gpus
+    columns: list[npt.NDArray[Any]] = [g.used_slots, g.used_mem, g.used_cores]
+    if mig:
+        columns.append(g.mig_mask)
+    clock = state.usage_clock
+    kept: tuple[int, list[npt.NDArray[Any]]] | None = memo.get("usage")
+    arrays: list[npt.NDArray[Any]] | None = None
+    if kept is not None:
+        changed = state.usage_changes_since(kept[0])
+        if changed is not None and len(changed) * 8 < table.idx.size:
+            arrays = kept[1]
+            pos = table.pos[changed] if changed else table.pos[:0]
+            pos = pos[pos >= 0]
+            if pos.size:
+                rows = table.idx.ravel()[pos]
+                for a, column in zip(arrays, columns, strict=True):
+                    a.ravel()[pos] = column[rows]
+    if arrays is None:
+        arrays = [np.take(column, table.idx) for column in columns]
+    memo["usage"] = (clock, arrays)
+    mask = arrays[3] if mig else np.zeros(0, np.int64)
+    return arrays[0], arrays[1], arrays[2], mask
+
+
+def _evaluate(
+    src: _StateLike,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    segs: I64 | None,
+    owned: bool,
+) -> tuple[B, list[_ContainerPlan]]:
+    """Every container on every allowed path, each container's planned devices counted before
+    the next: (feasible, plans) of the segments ``segs`` (all when None), indexed like them.
+    Every step is per node, so a subset of segments gets what the whole layout would."""
+    S = len(layout.names) if segs is None else int(segs.size)
+    paths = _paths(src, layout, request, masks, owned, segs)
+    work = layout.scratch if owned and segs is None else Scratch()
     # What the Decision keeps is allocated here, fresh; work arrays never reach it.
     feasible = np.ones(S, np.bool_)
     plans: list[_ContainerPlan] = []
@@ -391,6 +621,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
     sign = request.gpu_policy.sign
     ok_c = work.get("ok_c", (S,), np.bool_)
     desir_c = work.get("desir_c", (S,), np.float64)
+    winner = work.get("winner", (S,), np.int64)  # the path each node's devices come from
     for c in request.containers:
         remaining -= c.count
         rows = np.full((S, c.count), -1, np.int64)
@@ -399,44 +630,34 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
         gscore = np.zeros((S, c.count))
         ok_c.fill(False)
         desir_c.fill(-np.inf)
-        for path in paths:
-            p_rank: I64 | None = None
-            p_start: I64 | None = None
-            if path.mig:
-                p_ok, p_desir, p_rows, p_rank, p_start, p_score = path.mig_path(state, c, sign)
-            else:
-                p_ok, p_desir, p_rows, p_score = path.core_path(c, sign)
+        winner.fill(-1)
+        outs: list[_PathResult] = []
+        for i, path in enumerate(paths):
+            res = path.mig_path(c, sign) if path.mig else path.core_path(c, sign)
+            outs.append(res)
             nodes = path.table.nodes
             oc = ok_c[nodes]
-            better = p_ok & (~oc | (p_desir > desir_c[nodes]))
-            ok_c[nodes] = oc | p_ok
+            better = res.ok & (~oc | (res.desir > desir_c[nodes]))
+            ok_c[nodes] = oc | res.ok
             bn = nodes[better]
-            desir_c[bn] = p_desir[better]
-            rows[bn] = p_rows[better]
-            gscore[bn] = p_score[better]
-            if p_rank is not None and p_start is not None:
-                rank[bn] = p_rank[better]
-                start[bn] = p_start[better]
+            desir_c[bn] = res.desir[better]
+            rows[bn] = res.rows[better]
+            gscore[bn] = res.scores[better]
+            if res.rank is not None and res.start is not None:
+                rank[bn] = res.rank[better]
+                start[bn] = res.start[better]
             else:
                 rank[bn] = -1
                 start[bn] = -1
+            winner[bn] = i
         feasible &= ok_c
         plans.append(_ContainerPlan(c, rows, rank, start, gscore))
-        if remaining > 0:
-            _commit_fast(state, paths, c, rows, rank, start, ok_c)
+        if remaining > 0:  # count this container's devices (on its chosen path) for the next
+            for i, (path, res) in enumerate(zip(paths, outs, strict=True)):
+                path.commit(c, np.flatnonzero(winner[path.table.nodes] == i), res)
     if not request.containers:
         feasible[:] = True
-    score = _node_scores(state, layout)
-    return Decision(
-        request=request,
-        layout=layout,
-        feasible=feasible,
-        score=score,
-        desirability=score * request.node_policy.sign,
-        plans=plans,
-        state=state,
-        uuid_ok=uuid_ok,
-    )
+    return feasible, plans
 
 
 def _score(
@@ -475,10 +696,19 @@ def _score(
     return s
 
 
+# Tables up to this many positions (a few nodes' rows) are evaluated with plain expressions:
+# for them, what a numpy call costs is its call, and work arrays only add calls.
+_SMALL = 256
+
+
 def _pick(desir: F64, avail: B, work: Scratch) -> tuple[I64, B]:
     """Per table row: the first column with the maximum ``desir`` among ``avail`` columns
     (``desir`` finite). Column-wise maxima: numpy's axis-1 reductions over 8 columns are slow."""
     shape = desir.shape
+    if desir.size <= _SMALL:  # the same maxima and comparisons, in fewer calls
+        v0 = desir + _OK_OFFSET[avail.view(np.uint8)]
+        top0 = v0.max(axis=1)
+        return (v0 >= (top0 - 1e-9)[:, None]).argmax(axis=1), top0 > -np.inf
     v = work.get("pick_v", shape, np.float64)  # desir, -inf where not available
     np.take(_OK_OFFSET, avail.view(np.uint8), out=v, mode="clip")
     np.add(desir, v, out=v)
@@ -494,36 +724,175 @@ def _pick(desir: F64, avail: B, work: Scratch) -> tuple[I64, B]:
     return first, found
 
 
+# Each row's W booleans read as one unsigned word: times 0x0101...01, the top byte is their sum.
+_BYTE_SUM: dict[int, tuple[type[np.unsignedinteger[Any]], int, int]] = {
+    1: (np.uint8, 0x01, 0),
+    2: (np.uint16, 0x0101, 8),
+    4: (np.uint32, 0x01010101, 24),
+    8: (np.uint64, 0x0101010101010101, 56),
+}
+
+
+def _row_counts(fit: B) -> npt.NDArray[Any]:
+    """Per row of ``fit`` [P, W], how many are True (axis-1 sums of 8 columns are slow)."""
+    spec = _BYTE_SUM.get(fit.shape[1])
+    if spec is None or not fit.flags.c_contiguous:
+        counts: npt.NDArray[Any] = fit.sum(axis=1)
+        return counts
+    dtype, mul, shift = spec
+    words = fit.view(np.uint8).view(dtype).reshape(fit.shape[0])
+    sums: npt.NDArray[Any] = words * dtype(mul)  # a new array: ``fit`` stays as it is
+    sums >>= dtype(shift)
+    return sums
+
+
+class _Table(Protocol):
+    """What a path evaluation reads of a table: a ``PathTable`` or some of its rows."""
+
+    @property
+    def nodes(self) -> I64: ...
+    @property
+    def idx(self) -> I64: ...
+    @property
+    def ok(self) -> B: ...
+    @property
+    def slots(self) -> F64: ...
+    @property
+    def mem(self) -> F64: ...
+    @property
+    def cores(self) -> F64: ...
+    @property
+    def type_id(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def min_cores(self) -> float: ...
+    @property
+    def lut_off(self) -> I64 | None: ...
+    @property
+    def lut_stride(self) -> I64 | None: ...
+    @property
+    def lut_full(self) -> I64 | None: ...
+    @property
+    def lut(self) -> tuple[I64, I64, F64, F64] | None: ...
+
+
+@dataclass(frozen=True)
+class _TableRows:
+    """The rows of a ``PathTable`` that belong to some segments. ``nodes`` are positions in
+    those segments (not segments); ``flat`` selects their positions in the full table."""
+
+    nodes: I64
+    idx: I64
+    ok: B
+    slots: F64
+    mem: F64
+    cores: F64
+    type_id: npt.NDArray[np.int32]
+    min_cores: float
+    lut_off: I64 | None
+    lut_stride: I64 | None
+    lut_full: I64 | None
+    lut: tuple[I64, I64, F64, F64] | None
+    flat: I64 | slice
+
+    @staticmethod
+    def of(table: PathTable, segs: I64) -> _TableRows | None:
+        """The rows of ``segs`` (ascending segments), or None if the table has none of them."""
+        at = np.minimum(np.searchsorted(table.nodes, segs), table.nodes.size - 1)
+        local = np.flatnonzero(table.nodes[at] == segs)
+        if not local.size:
+            return None
+        rows = at[local]
+        w = table.idx.shape[1]
+        first, end = int(rows[0]), int(rows[-1]) + 1
+        sel: I64 | slice
+        flat: I64 | slice
+        if end - first == rows.size:  # consecutive rows (a single node, say): views suffice
+            sel, flat = slice(first, end), slice(first * w, end * w)
+        else:
+            sel, flat = rows, (rows[:, None] * w + np.arange(w)).ravel()
+
+        def part(a: I64 | None) -> I64 | None:
+            return None if a is None else a[flat]
+
+        return _TableRows(
+            nodes=local,
+            idx=table.idx[sel],
+            ok=table.ok[sel],
+            slots=table.slots[sel],
+            mem=table.mem[sel],
+            cores=table.cores[sel],
+            type_id=table.type_id[sel],
+            min_cores=table.min_cores,
+            lut_off=part(table.lut_off),
+            lut_stride=part(table.lut_stride),
+            lut_full=part(table.lut_full),
+            lut=table.lut,
+            flat=flat,
+        )
+
+
+def _rows_of(table: PathTable, segs: I64, memo: dict[Any, Any] | None) -> _TableRows | None:
+    """``_TableRows.of``, kept in the table's ``memo`` for single nodes (plans are asked for
+    one node at a time, often the same few)."""
+    if memo is None or segs.size != 1:
+        return _TableRows.of(table, segs)
+    kept: dict[int, _TableRows | None] = memo.setdefault("rows_of_node", {})
+    s = int(segs[0])
+    if s not in kept:
+        if len(kept) >= 256:
+            kept.clear()
+        kept[s] = _TableRows.of(table, segs)
+    return kept[s]
+
+
+@dataclass
+class _PathResult:
+    """One container on one path, per table row (work arrays: read before the next call)."""
+
+    ok: B  # [P] every device found
+    desir: F64  # [P] sum of the devices' desirability
+    rows: I64  # [P, count] GPU rows
+    scores: F64  # [P, count] GPU scores
+    pos: I64  # [P, count] flat positions in the path's table
+    rank: I64 | None = None  # [P, count] MIG profile rank
+    start: I64 | None = None  # [P, count] MIG placement start
+
+
 class _Path:
     """One path's (hami-core or MIG) GPUs for one decision: usage gathered into the path's
-    dense per-node table once; containers' planned devices are counted in it (never the
-    state's). The last evaluation (fit and GPU scores per position) is kept with the positions
-    changed since, so a container asking the same as the previous one is re-evaluated only
-    where the previous container's devices went.
+    dense per-node table (or some of its rows) once; containers' planned devices are counted in
+    it (never the state's). The last evaluation (fit and GPU scores per position) is kept with
+    the positions changed since, so a container asking the same as the previous one is
+    re-evaluated only where the previous container's devices went.
 
     Everything per position or per table row lives in ``scratch`` (the table's work arrays,
     reused by the next decision): what ``core_path``/``mig_path`` return must be copied
-    before the next call."""
+    before the next call. ``memo`` keeps what depends on the full table and a request only."""
 
     def __init__(
         self,
-        state: ClusterState,
-        table: PathTable,
-        ok_types: B | None,
-        uuid_ok: B | None,
-        conflict: bool,
+        src: _StateLike,
+        table: _Table,
+        masks: _Masks,
         *,
         mig: bool,
         scratch: Scratch,
+        memo: dict[Any, Any] | None,
+        full: PathTable | None = None,
+        usage: tuple[F64, F64, F64, I64] | None = None,
     ) -> None:
-        g = state.gpus
+        g = src.gpus
+        self.src = src
         self.table = table
+        self.full = full  # the table ``table`` is some rows of; None: ``table`` is full
+        self.memo = memo
         self.mig = mig
         self.scratch = sc = scratch
         idx = table.idx
         self.shape: tuple[int, int] = (idx.shape[0], idx.shape[1])
         ok = table.ok
-        if ok_types is not None or uuid_ok is not None or conflict:
+        ok_types, uuid_ok = masks.ok_types, masks.uuid_ok
+        if ok_types is not None or uuid_ok is not None or masks.conflict:
             ok = sc.get("ok", self.shape, np.bool_)
             tmp = sc.get("b0", self.shape, np.bool_)
             np.copyto(ok, table.ok)
@@ -531,14 +900,17 @@ class _Path:
                 ok &= np.take(ok_types, table.type_id, out=tmp, mode="clip")
             if uuid_ok is not None:
                 ok &= np.take(uuid_ok, idx, out=tmp, mode="clip")
-            if conflict:
+            if masks.conflict:
                 gc = np.take(g.conflict, idx, out=sc.get("i32", self.shape, np.int32), mode="clip")
                 ok &= np.equal(gc, 0, out=tmp)
         self.ok = ok
-        self.slots = self._gather(g.used_slots, "us")
-        self.mem = self._gather(g.used_mem, "um")
-        self.cores = self._gather(g.used_cores, "uc")
-        self.mask = self._gather(g.mig_mask, "mask") if mig else np.zeros(0, np.int64)
+        if usage is not None:  # read-only: ``commit`` must not be called
+            self.slots, self.mem, self.cores, self.mask = usage
+        else:
+            self.slots = self._gather(g.used_slots, "us")
+            self.mem = self._gather(g.used_mem, "um")
+            self.cores = self._gather(g.used_cores, "uc")
+            self.mask = self._gather(g.mig_mask, "mask") if mig else np.zeros(0, np.int64)
         self.w = idx.shape[1]
         ar = sc.memo.get("ar")
         if ar is None:
@@ -578,16 +950,51 @@ class _Path:
             return None
         return cache[1], (np.concatenate(dirty) if dirty else np.zeros(0, np.int64))
 
+    def fit_counts(self, c: ContainerRequest) -> npt.NDArray[Any] | None:
+        """Per table row, how many GPUs could each take one device of ``c`` now; None if
+        none of this path's GPUs can."""
+        if not self.mig:
+            return _row_counts(self._core_fit_all(c)[0])
+        minr = self._min_rank(c)
+        if minr is None:
+            return None
+        return _row_counts(self._mig_fit_all(self._mig_profile_all(minr, self.mask.ravel())[1]))
+
+    def commit(self, c: ContainerRequest, chosen: I64, res: _PathResult) -> None:
+        """Count ``c``'s planned devices on table rows ``chosen`` before the next container."""
+        t = self.table
+        for k in range(c.count):
+            fp = res.pos[chosen, k]
+            if not fp.size:
+                continue
+            if self.mig:
+                assert res.rank is not None and res.start is not None
+                bits, mem, cores = _mig_devices(
+                    self.src, res.rows[chosen, k], res.rank[chosen, k], res.start[chosen, k]
+                )
+                self.mask.ravel()[fp] |= bits
+                self.slots.ravel()[fp] += 1
+                self.mem.ravel()[fp] += mem
+                self.cores.ravel()[fp] += cores
+            else:
+                self.slots.ravel()[fp] += 1
+                self.mem.ravel()[fp] += (
+                    c.mem_mib if c.mem_mib else t.mem.ravel()[fp] * c.mem_percent // 100
+                )
+                self.cores.ravel()[fp] += c.cores
+            self._dirty.append(fp)
+
     # --- hami-core ---
 
     def _core_eval(self, c: ContainerRequest, sign: float, pos: I64 | None) -> tuple[B, F64]:
         t = self.table
         slots, mem, cores = t.slots, t.mem, t.cores
         ok, us, um, uc = self.ok, self.slots, self.mem, self.cores
-        if pos is None:
+        if pos is not None:
+            slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+            ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+        elif ok.size > _SMALL:
             return self._core_eval_all(c, sign)
-        slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
-        ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
         req_mem: F64 | float = (
             float(c.mem_mib) if c.mem_mib else np.floor(mem * c.mem_percent / 100)
         )
@@ -601,8 +1008,9 @@ class _Path:
         desir *= sign
         return fit, desir
 
-    def _core_eval_all(self, c: ContainerRequest, sign: float) -> tuple[B, F64]:
-        """``_core_eval`` of every position, in work arrays (same operations, same results)."""
+    def _core_fit_all(self, c: ContainerRequest) -> tuple[B, F64 | float]:
+        """Where every position can take one device of ``c`` (work arrays), and the memory
+        it asks of each."""
         t, sc, shape = self.table, self.scratch, self.shape
         slots, mem, cores = t.slots, t.mem, t.cores
         ok, us, um, uc = self.ok, self.slots, self.mem, self.cores
@@ -623,12 +1031,23 @@ class _Path:
             excl = np.less(c.cores, cores, out=b)
             excl |= np.equal(us, 0, out=sc.get("b1", shape, np.bool_))
             fit &= excl
-        work = (sc.get("desir", shape, np.float64), f, b)
-        desir = _score(slots, mem, cores, us, um, uc, req_mem, float(c.cores), work)
+        return fit, req_mem
+
+    def _core_eval_all(self, c: ContainerRequest, sign: float) -> tuple[B, F64]:
+        """``_core_eval`` of every position, in work arrays (same operations, same results)."""
+        t, sc, shape = self.table, self.scratch, self.shape
+        fit, req_mem = self._core_fit_all(c)
+        work = (
+            sc.get("desir", shape, np.float64),
+            sc.get("f0", shape, np.float64),
+            sc.get("b0", shape, np.bool_),
+        )
+        us, um, uc = self.slots, self.mem, self.cores
+        desir = _score(t.slots, t.mem, t.cores, us, um, uc, req_mem, float(c.cores), work)
         desir *= sign
         return fit, desir
 
-    def core_path(self, c: ContainerRequest, sign: float) -> tuple[B, F64, I64, F64]:
+    def core_path(self, c: ContainerRequest, sign: float) -> _PathResult:
         key = (c.mem_mib, c.mem_percent, c.cores, sign)
         reuse = self._reuse(key)
         if reuse is None:
@@ -641,15 +1060,19 @@ class _Path:
                 desir.ravel()[dpos] = d2
         self._cache = (key, [fit, desir])
         t = self.table
-        rows, scores, total, found_all = self._outputs(
-            c.count, ("rows", "scores", "total", "found_all"), (np.int64(-1), 0.0, 0.0, True)
+        rows, scores, pos, total, found_all = self._outputs(
+            c.count,
+            ("rows", "scores", "pos", "total", "found_all"),
+            (np.int64(-1), 0.0, np.int64(-1), 0.0, True),
         )
         avail = fit
         flat_d = desir.ravel()
         for k in range(c.count):
             first, found = _pick(desir, avail, self.scratch)
             found_all &= found
-            fpos = (self.ar + first)[found]
+            at = self.ar + first
+            pos[:, k] = at
+            fpos = at[found]
             rows[found, k] = t.idx.ravel()[fpos]
             d = flat_d[fpos]
             total[found] += d
@@ -658,45 +1081,40 @@ class _Path:
                 if avail is fit:
                     avail = self._copy(fit, "avail")
                 avail.ravel()[fpos] = False
-        return found_all, total, rows, scores
+        return _PathResult(found_all, total, rows, scores, pos)
 
     # --- MIG ---
 
-    def _min_rank(self, state: ClusterState, c: ContainerRequest) -> I64 | None:
+    def _min_rank(self, c: ContainerRequest) -> I64 | None:
         """Per position, the smallest profile rank the request accepts (R: none); None if
-        no geometry has a profile large enough. Depends on the table and the request only:
-        kept with the table's work arrays (read-only) for the next decisions."""
-        memo = self.scratch.memo
-        key = ("min_rank", c.mem_mib, c.mem_percent, c.cores)
-        if key in memo:
-            cached: I64 | None = memo[key]
-            return cached
-        t = self.table
-        minr = np.zeros(t.idx.size, np.int64)
-        any_fit = False
-        for gid, gpos in t.geoms:
-            geom = state.geometries[gid]
-            n_ranks = len(geom.profiles)
-            if c.mem_mib:
-                fits1 = (geom.memory >= c.mem_mib) & (geom.cores >= c.cores)
-                if fits1.any():
-                    any_fit = True
-                    minr[gpos] = int(fits1.argmax())
-                else:
-                    minr[gpos] = n_ranks
-                continue
-            req_mem = t.mem.ravel()[gpos] * c.mem_percent // 100
-            fits = (geom.memory[None, :] >= req_mem[:, None]) & (geom.cores[None, :] >= c.cores)
-            fit_any = fits.any(axis=1)
-            any_fit = any_fit or bool(fit_any.any())
-            minr[gpos] = np.where(fit_any, fits.argmax(axis=1), n_ranks)
-        minr.setflags(write=False)
-        result = minr if any_fit else None
-        if sum(1 for k in memo if k[0] == "min_rank") >= 16:  # a few request shapes recur
-            for k in [k for k in memo if k[0] == "min_rank"]:
-                del memo[k]
-        memo[key] = result
-        return result
+        no geometry has a profile large enough."""
+        if self.full is None:
+            assert isinstance(self.table, PathTable)
+            return _min_rank(self.src, self.table, c, self.memo)
+        minr = _min_rank(self.src, self.full, c, self.memo)
+        assert isinstance(self.table, _TableRows)
+        return None if minr is None else minr[self.table.flat]
+
+    def _mig_profile_all(self, minr: I64, m: I64) -> tuple[I64, I64]:
+        """Every position's choice-table index (flat) and chosen profile rank ([P, W], -1:
+        none), in work arrays."""
+        t, sc = self.table, self.scratch
+        assert t.lut is not None and t.lut_off is not None
+        assert t.lut_full is not None and t.lut_stride is not None
+        flat = (t.idx.size,)
+        li = np.bitwise_and(m, t.lut_full, out=sc.get("li", flat, np.int64))
+        li *= t.lut_stride
+        li += t.lut_off
+        li += minr
+        prof = np.take(t.lut[0], li, out=sc.get("prof", flat, np.int64), mode="clip")
+        return li, prof.reshape(self.shape)
+
+    def _mig_fit_all(self, prof: I64) -> B:
+        t, sc, shape = self.table, self.scratch, self.shape
+        fit: B = np.greater_equal(prof, 0, out=sc.get("fit", shape, np.bool_))
+        fit &= np.less(self.slots, t.slots, out=sc.get("b0", shape, np.bool_))
+        fit &= self.ok
+        return fit
 
     def _mig_eval(
         self, minr: I64, sign: float, us: F64, um: F64, uc: F64, mask: I64, pos: I64 | None
@@ -707,12 +1125,16 @@ class _Path:
         off, full, stride = t.lut_off, t.lut_full, t.lut_stride
         slots, mem, cores, ok = t.slots, t.mem, t.cores, self.ok
         m = mask.ravel()
-        if pos is None:
+        shape: tuple[int, ...]
+        if pos is not None:
+            off, full, stride, minr, m = off[pos], full[pos], stride[pos], minr[pos], m[pos]
+            slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+            ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+            shape = pos.shape
+        elif ok.size > _SMALL:
             return self._mig_eval_all(minr, sign, us, um, uc, m)
-        off, full, stride, minr, m = off[pos], full[pos], stride[pos], minr[pos], m[pos]
-        slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
-        ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
-        shape = pos.shape
+        else:
+            shape = ok.shape
         li = m & full
         li *= stride
         li += off
@@ -733,43 +1155,39 @@ class _Path:
     ) -> list[npt.NDArray[Any]]:
         """``_mig_eval`` of every position, in work arrays (same operations, same results)."""
         t, sc, shape = self.table, self.scratch, self.shape
-        assert t.lut is not None and t.lut_off is not None
-        assert t.lut_full is not None and t.lut_stride is not None
+        assert t.lut is not None
+        li, prof = self._mig_profile_all(minr, m)
         flat = (t.idx.size,)
-        li = np.bitwise_and(m, t.lut_full, out=sc.get("li", flat, np.int64))
-        li *= t.lut_stride
-        li += t.lut_off
-        li += minr
-        prof, start, pmem, pcore = (
+        start, pmem, pcore = (
             np.take(lut, li, out=sc.get(name, flat, lut.dtype.type), mode="clip").reshape(shape)
-            for name, lut in zip(("prof", "start", "pmem", "pcore"), t.lut, strict=True)
+            for name, lut in zip(("start", "pmem", "pcore"), t.lut[1:], strict=True)
         )
-        b = sc.get("b0", shape, np.bool_)
-        fit = np.greater_equal(prof, 0, out=sc.get("fit", shape, np.bool_))
-        fit &= np.less(us, t.slots, out=b)
-        fit &= self.ok
-        work = (sc.get("desir", shape, np.float64), sc.get("f0", shape, np.float64), b)
+        fit = self._mig_fit_all(prof)
+        work = (
+            sc.get("desir", shape, np.float64),
+            sc.get("f0", shape, np.float64),
+            sc.get("b0", shape, np.bool_),
+        )
         desir = _score(t.slots, t.mem, t.cores, us, um, uc, pmem, pcore, work)
         desir *= sign
         return [prof, start, pmem, pcore, fit, desir]
 
-    def mig_path(
-        self, state: ClusterState, c: ContainerRequest, sign: float
-    ) -> tuple[B, F64, I64, I64, I64, F64]:
+    def mig_path(self, c: ContainerRequest, sign: float) -> _PathResult:
         t = self.table
-        rows, rank_out, start_out, scores, total, found_all = self._outputs(
+        rows, rank_out, start_out, scores, pos, total, found_all = self._outputs(
             c.count,
-            ("rows", "rank_out", "start_out", "scores", "total", "found_all"),
-            (np.int64(-1), np.int64(-1), np.int64(-1), 0.0, 0.0, True),
+            ("rows", "rank_out", "start_out", "scores", "pos", "total", "found_all"),
+            (np.int64(-1), np.int64(-1), np.int64(-1), 0.0, np.int64(-1), 0.0, True),
         )
+        result = _PathResult(found_all, total, rows, scores, pos, rank_out, start_out)
         key = (c.mem_mib, c.mem_percent, c.cores, sign)
         reuse = self._reuse(key)
         if reuse is None:
-            minr = self._min_rank(state, c)
+            minr = self._min_rank(c)
             if minr is None:  # no profile large enough anywhere
                 self._cache = None
                 found_all[:] = False
-                return found_all, total, rows, rank_out, start_out, scores
+                return result
             ev = self._mig_eval(minr, sign, self.slots, self.mem, self.cores, self.mask, None)
         else:
             cached, dpos = reuse
@@ -787,7 +1205,9 @@ class _Path:
             prof, start, pmem, pcore, fit, desir = ev
             first, found = _pick(desir, fit, self.scratch)
             found_all &= found
-            fpos = (self.ar + first)[found]
+            at = self.ar + first
+            pos[:, k] = at
+            fpos = at[found]
             picked = t.idx.ravel()[fpos]
             rows[found, k] = picked
             p_prof = prof.ravel()[fpos]
@@ -798,7 +1218,7 @@ class _Path:
             total[found] += d
             scores[found, k] = d * sign
             if k + 1 < c.count and picked.size:
-                bits, _, _ = _mig_devices(state, picked, p_prof, p_start)
+                bits, _, _ = _mig_devices(self.src, picked, p_prof, p_start)
                 mask.ravel()[fpos] |= bits
                 us.ravel()[fpos] += 1
                 um.ravel()[fpos] += pmem.ravel()[fpos]
@@ -808,43 +1228,45 @@ class _Path:
                     ev = [self._copy(a, f"ev_{i}") for i, a in enumerate(ev)]
                 for a, b in zip(ev, part, strict=True):
                     a.ravel()[fpos] = b
-        return found_all, total, rows, rank_out, start_out, scores
+        return result
 
 
-def _commit_fast(
-    state: ClusterState,
-    paths: list[_Path],
-    c: ContainerRequest,
-    rows: I64,
-    rank: I64,
-    start: I64,
-    ok: B,
-) -> None:
-    """Count a container's planned devices (in the paths' tables) before the next container."""
-    g = state.gpus
-    segs = np.flatnonzero(ok)
-    by_kind = {p.mig: p for p in paths}
-    for k in range(c.count):
-        r, p = rows[segs, k], rank[segs, k]
-        mig = p >= 0
-        rm = r[mig]
-        if rm.size:
-            path = by_kind[True]
-            pos = path.table.pos[rm]
-            bits, mem, cores = _mig_devices(state, rm, p[mig], start[segs, k][mig])
-            path.mask.ravel()[pos] |= bits
-            path.slots.ravel()[pos] += 1
-            path.mem.ravel()[pos] += mem
-            path.cores.ravel()[pos] += cores
-            path._dirty.append(pos)
-        rc = r[~mig]
-        if rc.size:
-            path = by_kind[False]
-            pos = path.table.pos[rc]
-            path.slots.ravel()[pos] += 1
-            path.mem.ravel()[pos] += c.mem_mib if c.mem_mib else g.mem[rc] * c.mem_percent // 100
-            path.cores.ravel()[pos] += c.cores
-            path._dirty.append(pos)
+def _min_rank(
+    src: _StateLike, table: PathTable, c: ContainerRequest, memo: dict[Any, Any] | None
+) -> I64 | None:
+    """Per position of ``table``, the smallest profile rank ``c`` accepts (R: none); None if no
+    geometry has a profile large enough. Depends on the table and the request only: kept in
+    ``memo`` (the table's, read-only) for the next decisions."""
+    key = ("min_rank", c.mem_mib, c.mem_percent, c.cores)
+    if memo is not None and key in memo:
+        cached: I64 | None = memo[key]
+        return cached
+    minr = np.zeros(table.idx.size, np.int64)
+    any_fit = False
+    for gid, gpos in table.geoms:
+        geom = src.geometries[gid]
+        n_ranks = len(geom.profiles)
+        if c.mem_mib:
+            fits1 = (geom.memory >= c.mem_mib) & (geom.cores >= c.cores)
+            if fits1.any():
+                any_fit = True
+                minr[gpos] = int(fits1.argmax())
+            else:
+                minr[gpos] = n_ranks
+            continue
+        req_mem = table.mem.ravel()[gpos] * c.mem_percent // 100
+        fits = (geom.memory[None, :] >= req_mem[:, None]) & (geom.cores[None, :] >= c.cores)
+        fit_any = fits.any(axis=1)
+        any_fit = any_fit or bool(fit_any.any())
+        minr[gpos] = np.where(fit_any, fits.argmax(axis=1), n_ranks)
+    minr.setflags(write=False)
+    result = minr if any_fit else None
+    if memo is not None:
+        if sum(1 for k in memo if k[0] == "min_rank") >= 16:  # a few request shapes recur
+            for k in [k for k in memo if k[0] == "min_rank"]:
+                del memo[k]
+        memo[key] = result
+    return result
 
 
 def _reference(
@@ -857,30 +1279,10 @@ def _reference(
     if S == 0:  # no node registers a GPU
         return np.zeros(0, np.bool_), np.zeros(0, np.int64), []
     g = state.gpus
-    live = g.node[:n] >= 0
-    reasons_rows = np.zeros(n, np.int64)
-
-    # Static per-pod masks.
-    base = live.copy()
-    unhealthy = ~g.healthy[:n] | (g.conflict[:n] > 0)
-    reasons_rows |= _bits(~g.healthy[:n], Reason.UNHEALTHY)
-    reasons_rows |= _bits(g.healthy[:n] & (g.conflict[:n] > 0), Reason.MIG_CONFLICT)
-    base &= ~unhealthy
-    if request.use_types or request.nouse_types:
-        ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
-        type_ok = ok_types[g.type_id[:n]]
-        reasons_rows |= _bits(~type_ok, Reason.TYPE)
-        base &= type_ok
-    if request.use_uuids or request.nouse_uuids:
-        assert uuid_ok_all is not None
-        uuid_ok = uuid_ok_all[:n]
-        reasons_rows |= _bits(~uuid_ok, Reason.UUID)
-        base &= uuid_ok
+    reasons_rows, base = _static_reasons(state, n, request, uuid_ok_all)
     is_mig = g.is_mig[:n]
     allow_core = request.mode in (None, "hami-core")
     allow_mig = request.mode in (None, "mig")
-    mode_bad = (is_mig & ~np.bool_(allow_mig)) | (~is_mig & ~np.bool_(allow_core))
-    reasons_rows |= _bits(mode_bad, Reason.MODE)
 
     usage = _Usage(state, n)
     feasible = np.ones(S, np.bool_)
@@ -940,6 +1342,108 @@ def _reference(
     return feasible, node_reasons, plans
 
 
+def _static_reasons(
+    state: _StateLike, n: int, request: PodRequest, uuid_ok_all: B | None
+) -> tuple[I64, B]:
+    """Per GPU row: the reasons that don't depend on usage (health, selectors, mode), and
+    ``base``: the live healthy rows the selectors allow (of either mode)."""
+    g = state.gpus
+    live = g.node[:n] >= 0
+    reasons_rows = np.zeros(n, np.int64)
+    base = live.copy()
+    unhealthy = ~g.healthy[:n] | (g.conflict[:n] > 0)
+    reasons_rows |= _bits(~g.healthy[:n], Reason.UNHEALTHY)
+    reasons_rows |= _bits(g.healthy[:n] & (g.conflict[:n] > 0), Reason.MIG_CONFLICT)
+    base &= ~unhealthy
+    if request.use_types or request.nouse_types:
+        ok_types = np.array([_type_ok(t, request) for t in state.types] or [True], np.bool_)
+        type_ok = ok_types[g.type_id[:n]]
+        reasons_rows |= _bits(~type_ok, Reason.TYPE)
+        base &= type_ok
+    if request.use_uuids or request.nouse_uuids:
+        assert uuid_ok_all is not None
+        uuid_ok = uuid_ok_all[:n]
+        reasons_rows |= _bits(~uuid_ok, Reason.UUID)
+        base &= uuid_ok
+    is_mig = g.is_mig[:n]
+    allow_core = request.mode in (None, "hami-core")
+    allow_mig = request.mode in (None, "mig")
+    mode_bad = (is_mig & ~np.bool_(allow_mig)) | (~is_mig & ~np.bool_(allow_core))
+    reasons_rows |= _bits(mode_bad, Reason.MODE)
+    return reasons_rows, base
+
+
+def _reasons(
+    src: _StateLike, layout: Layout, request: PodRequest, uuid_ok: B | None, feasible: B
+) -> I64:
+    """[S] Reason bits of every node that is not feasible: what ``_reference`` says, computed
+    only where needed. A node with no GPU any path of the request would consider (wrong mode,
+    excluded, unhealthy) has only the static reasons of its GPUs; ``_reference`` runs on the
+    other infeasible nodes alone (every step of it is per node)."""
+    S = len(layout.names)
+    out = np.zeros(S, np.int64)
+    infeasible = ~feasible
+    if not infeasible.any():
+        return out
+    n = layout.n_rows
+    rows_bits, base = _static_reasons(src, n, request, uuid_ok)
+    is_mig = src.gpus.is_mig[:n]
+    considered = np.zeros(n, np.bool_)
+    if request.mode in (None, "hami-core"):
+        considered |= base & ~is_mig
+    if request.mode in (None, "mig"):
+        considered |= base & is_mig
+    dynamic = _per_gpu(considered, layout, False).any(axis=0)
+    static = infeasible & ~dynamic
+    if static.any():
+        seg_bits = np.bitwise_or.reduce(_per_gpu(rows_bits, layout, 0), axis=0)
+        seg_bits |= np.where(_too_few_gpus(layout, request), int(Reason.TOO_FEW_GPUS), 0)
+        out[static] = seg_bits[static]
+    segs = np.flatnonzero(infeasible & dynamic)
+    if segs.size * 2 > S:  # most nodes: the whole layout is cheaper than a copy of most of it
+        out[segs] = _reference(src, layout, request, uuid_ok)[1][segs]
+    elif segs.size:
+        sub, sub_layout, sub_uuid_ok = _restrict(src, layout, segs, uuid_ok)
+        out[segs] = _reference(sub, sub_layout, request, sub_uuid_ok)[1]
+    return out
+
+
+def _restrict(
+    src: _StateLike, layout: Layout, segs: I64, uuid_ok: B | None
+) -> tuple[_View, Layout, B | None]:
+    """The GPU columns and layout of segments ``segs`` alone, their rows renumbered from 0 (in
+    segment order); with ``uuid_ok`` of those rows."""
+    counts = layout.gpu_count[segs]
+    in_seg = layout.gpu_rows_ok
+    rows_t = layout.gpu_rows[:, segs].T
+    rows = rows_t.ravel() if in_seg is None else rows_t[in_seg[:, segs].T]
+    g = src.gpus
+    sub = GpuArrays(**{name: getattr(g, name)[rows] for name in _COLUMNS})
+    starts = np.cumsum(counts) - counts
+    j = np.arange(int(counts.max()), dtype=np.int64)[:, None]
+    ok = j < counts[None, :]
+    mig_live = (sub.node >= 0) & sub.is_mig & (sub.geom >= 0)
+    layout_ = Layout(
+        version=layout.version,
+        n_rows=int(rows.size),
+        starts=starts,
+        node_idx=layout.node_idx[segs],
+        names=tuple(layout.names[s] for s in segs.tolist()),
+        seg_of_row=np.repeat(np.arange(segs.size, dtype=np.int64), counts),
+        gpu_less=(),
+        geom_rows=tuple(
+            (int(gid), np.flatnonzero(mig_live & (sub.geom == gid)))
+            for gid in np.unique(sub.geom[mig_live])
+        ),
+        seg_index={},
+        gpu_rows=np.where(ok, starts[None, :] + j, 0),
+        gpu_rows_ok=None if ok.all() else ok,
+        gpu_count=counts,
+    )
+    view = _View(sub, src.geometries, src.types)
+    return view, layout_, None if uuid_ok is None else uuid_ok[rows]
+
+
 def _type_ok(gpu_type: str, request: PodRequest) -> bool:
     upper = gpu_type.upper()
     if request.use_types and not any(t.upper() in upper for t in request.use_types):
@@ -947,15 +1451,20 @@ def _type_ok(gpu_type: str, request: PodRequest) -> bool:
     return not any(t.upper() in upper for t in request.nouse_types)
 
 
-def _uuid_mask(state: ClusterState, request: PodRequest, n: int) -> B:
-    use, nouse = set(request.use_uuids), set(request.nouse_uuids)
-    ok = np.full(n, not use, np.bool_)
-    for entry in state.nodes.values():
-        for uuid, r in entry.rows.items():
-            if uuid in use:
-                ok[r] = True
-            if uuid in nouse:
-                ok[r] = False
+def _uuid_mask(state: ClusterState, layout: Layout, request: PodRequest, owned: bool) -> B:
+    """Per GPU row: allowed by use-gpuuuid / nouse-gpuuuid (nouse wins)."""
+    rows_of: dict[str, list[int]] | None = layout.scratch.memo.get("uuid_rows") if owned else None
+    if rows_of is None:  # rows are fixed until the layout changes; UUIDs may repeat across nodes
+        rows_of = {}
+        for entry in state.nodes.values():
+            for uuid, r in entry.rows.items():
+                rows_of.setdefault(uuid, []).append(r)
+        if owned:
+            layout.scratch.memo["uuid_rows"] = rows_of
+    ok = np.full(layout.n_rows, not request.use_uuids, np.bool_)
+    for uuids, value in ((request.use_uuids, True), (request.nouse_uuids, False)):
+        for uuid in uuids:
+            ok[rows_of.get(uuid, [])] = value
     return ok
 
 
@@ -1175,22 +1684,25 @@ def _too_few_gpus(layout: Layout, request: PodRequest) -> B:
 
 
 def _node_scores(state: ClusterState, layout: Layout) -> F64:
-    n = layout.n_rows
-    if not n:
+    if not layout.n_rows:
         return np.zeros(0)
-    idx = layout.node_idx  # per-node sums over live GPUs, kept by the state
+    # Per node idx (the state keeps the sums over each node's live GPUs), then the layout's
+    # nodes: one gather instead of one per column.
     with np.errstate(divide="ignore", invalid="ignore"):
         score = (
-            state.node_used_slots[idx] / state.node_slots[idx]
-            + state.node_used_cores[idx] / state.node_cores[idx]
-            + state.node_used_mem[idx] / state.node_mem[idx]
+            state.node_used_slots / state.node_slots
+            + state.node_used_cores / state.node_cores
+            + state.node_used_mem / state.node_mem
         ) * 10
         if state.config.node_score_cpu_memory:
             score += (
-                state.node_cpu_req[idx] / state.node_cpu_alloc[idx]
-                + state.node_mem_req[idx] / state.node_mem_alloc[idx]
+                state.node_cpu_req / state.node_cpu_alloc
+                + state.node_mem_req / state.node_mem_alloc
             ) * 10
-    return np.nan_to_num(score, posinf=0.0, neginf=0.0)
+    score = score[layout.node_idx]
+    if not np.isfinite(score).all():  # a node without capacity: nan or inf, counted as 0
+        score = np.nan_to_num(score, posinf=0.0, neginf=0.0)
+    return score
 
 
 def mode_of_plan(plan: PodPlan) -> GpuMode:

@@ -24,6 +24,7 @@ from scheduler_plugins.node_register import GpuDevice, MigProfile, Placement
 from scheduler_plugins.pods import PodAllocation
 
 MAX_SLICES = 16
+_USAGE_LOG_MAX = 4096  # usage changes remembered (``ClusterState.usage_changes_since``)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,10 @@ class ClusterState:
         self._layout: Layout | None = None
         # Decisions that still read the live GPU columns (lazy reasons): told before any change.
         self._watchers: weakref.WeakSet[ChangeWatcher] = weakref.WeakSet()
+        # Rows whose usage changed, oldest first, for copies of some rows kept between
+        # decisions (see ``usage_changes_since``); _usage_log[0] is change ``_usage_log_start``.
+        self._usage_log: list[int] = []
+        self._usage_log_start = 0
         # Per-node columns (by node idx), see _NODE_COLUMNS.
         self.node_cpu_alloc: npt.NDArray[np.float64] = _zeros(0)
         self.node_mem_alloc: npt.NDArray[np.float64] = _zeros(0)
@@ -239,6 +244,19 @@ class ClusterState:
     def watch(self, watcher: ChangeWatcher) -> None:
         """Call ``watcher.state_changing()`` once, before the next change of the GPU columns."""
         self._watchers.add(watcher)
+
+    @property
+    def usage_clock(self) -> int:
+        """How many usage changes of GPU rows there have been (see ``usage_changes_since``)."""
+        return self._usage_log_start + len(self._usage_log)
+
+    def usage_changes_since(self, clock: int) -> list[int] | None:
+        """The GPU rows whose usage columns (``used_*``, ``mig_mask``, ``conflict``) changed by
+        pods since ``usage_clock`` was ``clock``, repeats included; None when that is too long
+        ago to tell. Changes of rows themselves (nodes) bump ``layout_version`` instead."""
+        if clock < self._usage_log_start:
+            return None
+        return self._usage_log[clock - self._usage_log_start :]
 
     def _changing(self) -> None:
         if len(self._watchers):
@@ -497,6 +515,7 @@ class ClusterState:
             g.used_mem[r] += sign * d.mem
             g.used_cores[r] += sign * d.cores
             slots, mem_sum, cores_sum = slots + 1, mem_sum + d.mem, cores_sum + d.cores
+            self._usage_log.append(r)
         for m in alloc.mig:
             r = entry.rows.get(m.gpu_uuid)
             if r is None:
@@ -511,6 +530,10 @@ class ClusterState:
             use = g.slice_use[r]
             g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), 1 << np.arange(MAX_SLICES)))
             g.conflict[r] = int(np.count_nonzero(use > 1))
+            self._usage_log.append(r)
+        if len(self._usage_log) > _USAGE_LOG_MAX:  # copies that old refresh in full
+            self._usage_log_start += len(self._usage_log)
+            self._usage_log.clear()
         self.node_used_slots[idx] += sign * slots
         self.node_used_mem[idx] += sign * mem_sum
         self.node_used_cores[idx] += sign * cores_sum

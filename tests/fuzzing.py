@@ -80,6 +80,8 @@ def fuzz_settings(default_examples: int) -> settings:
     return settings(
         max_examples=examples(default_examples),
         deadline=None,
+        # The test command is reproducible; TESSERA_FUZZ_RANDOM=1 explores new seeds.
+        derandomize=os.environ.get("TESSERA_FUZZ_RANDOM") != "1",
         suppress_health_check=[
             HealthCheck.too_slow,
             HealthCheck.data_too_large,

@@ -21,6 +21,12 @@ Ids follow what NVML shows (see ``shared/reference/mig-geometry.md``):
   profile id equals its profile index (true of NVML's CI profiles).
 - MIG device UUIDs hash (GPU UUID, GI id, a per-GPU creation counter): stable for one
   instance, different for a re-created one.
+
+Test hook (fault tests only): with ``TESSERA_SIMULATED_NVML_HOLD_DIR`` set in the kwok node
+agent's environment, ``CreationHold`` pauses every compute instance creation while the file
+``hold`` exists in that directory (the GPU instance exists and is persisted, its compute
+instance not yet), after writing ``held-<node>``: a test can kill the agent in the middle of a
+MIG creation. Unset (always, outside tests), nothing pauses.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import json
 import os
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +74,7 @@ from node_agent.nvml.errors import (
 from scheduler_plugins.node_register import Placement
 
 STATE_VERSION: Final = 1
+HOLD_ENV: Final = "TESSERA_SIMULATED_NVML_HOLD_DIR"
 
 # GI compute slices -> {CI compute slices: max CIs of that size} (MIG user guide).
 _CI_LIMITS: Final[dict[int, dict[int, int]]] = {
@@ -90,6 +98,28 @@ class SimulatedGpuSpec:
     numa: int | None = None
     mig_enabled: bool = True  # ignored for models that are not MIG-capable
     healthy: bool = True
+
+
+@dataclass(frozen=True)
+class CreationHold:
+    """Test-only pause between a MIG creation's GPU instance and its compute instance (see
+    the module docstring)."""
+
+    directory: Path
+    poll_s: float = 0.05
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CreationHold | None:
+        value = (os.environ if env is None else env).get(HOLD_ENV, "")
+        return cls(Path(value)) if value else None
+
+    def wait(self, node: str, what: str) -> None:
+        hold = self.directory / "hold"
+        if not hold.exists():
+            return
+        (self.directory / f"held-{node}").write_text(what)
+        while hold.exists():
+            time.sleep(self.poll_s)
 
 
 def gpu_instance_id(memory_slices: int, placement: Placement) -> int:
@@ -153,8 +183,11 @@ class SimulatedNvml:
         state_file: Path | None = None,
         *,
         node_name: str = "tessera-sim",
+        hold: CreationHold | None = None,
     ) -> None:
         self._state_file = state_file
+        self._node_name = node_name
+        self._hold = hold
         self._lock = threading.RLock()
         self._gate = SessionGate()
         self._faults: dict[str, deque[BaseException]] = {}
@@ -352,6 +385,8 @@ class SimulatedNvml:
             f"create compute instance of profile index {ci_profile_index} in GPU instance"
             f" {gi_id} on GPU {index}"
         )
+        if self._hold is not None:
+            self._hold.wait(self._node_name, what)
         with self._op("create_compute_instance", what):
             g = self._mig_gpu(index, what)
             gi = self._gi(g, gi_id, what)

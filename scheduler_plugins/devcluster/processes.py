@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -39,8 +39,16 @@ class ProcessRecord:
     argv: tuple[str, ...]
 
 
-def spawn(component: str, argv: Sequence[str], *, log_path: Path, pid_path: Path) -> ProcessRecord:
-    """Start ``argv`` detached (own session, stdin /dev/null, stdout+stderr to ``log_path``)."""
+def spawn(
+    component: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path,
+    pid_path: Path,
+    env: Mapping[str, str] | None = None,
+) -> ProcessRecord:
+    """Start ``argv`` detached (own session, stdin /dev/null, stdout+stderr to ``log_path``)
+    with this process's environment, updated with ``env``."""
     exe = Path(argv[0])
     if not os.access(exe, os.X_OK):
         raise ClusterError(f"{component}: {exe} is not an executable file")
@@ -57,7 +65,7 @@ def spawn(component: str, argv: Sequence[str], *, log_path: Path, pid_path: Path
         # posix_spawn rather than subprocess.Popen: the process outlives this one (`cluster up`
         # returns), so there is no Popen object to keep; stop() reaps it if it is our child.
         pid = os.posix_spawn(
-            str(exe), list(argv), dict(os.environ), file_actions=actions, setsid=True
+            str(exe), list(argv), {**os.environ, **(env or {})}, file_actions=actions, setsid=True
         )
     except OSError as e:
         raise ClusterError(f"{component}: cannot start {exe}: {e.strerror}") from e
@@ -129,6 +137,25 @@ def stop(pid_path: Path, *, timeout_s: float = 10.0) -> ProcessRecord | None:
         log.info("process.stale_pidfile", component=record.component, pid=record.pid)
     pid_path.unlink(missing_ok=True)
     return record
+
+
+def wait_released(record: ProcessRecord, *, timeout_s: float = 10.0) -> bool:
+    """Wait until the recorded process has fully exited; whether it did in time.
+
+    ``stop`` (like ``is_running``) counts a zombie leader as stopped, but a killed
+    multi-threaded process turns zombie before its last thread is gone, and until then its
+    files (a listening socket) stay open: a replacement started at once on the same port
+    can fail with "address already in use".
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = _proc_state(record.pid)
+        if state is None or state[0] != record.start_ticks:
+            return True
+        if state[1] in ("Z", "X"):
+            _reap(record.pid)  # succeeds once the whole thread group has exited
+        time.sleep(_POLL_S)
+    return False
 
 
 def find_strays(marker: str, exe_dir: Path) -> list[int]:

@@ -9,9 +9,10 @@ plugin server over a Unix socket in the cluster's run dir.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -23,7 +24,8 @@ import yaml
 from api.plugin.v1 import plugin_pb2, plugin_pb2_grpc
 from scheduler_plugins.devcluster import processes
 from scheduler_plugins.devcluster.errors import ClusterError
-from scheduler_plugins.devcluster.layout import ClusterSettings, repo_root
+from scheduler_plugins.devcluster.layout import LOOPBACK, ClusterSettings, repo_root
+from scheduler_plugins.devcluster.webhook import WEBHOOK, start_webhook, stop_webhook
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +41,7 @@ class StackPaths:
     socket: Path
     scheduler_config: Path
     agent_state: Path
+    metrics_address: Path  # holds HOST:PORT of the plugin server's /metrics
 
     @staticmethod
     def of(s: ClusterSettings) -> StackPaths:
@@ -46,23 +49,65 @@ class StackPaths:
             socket=s.run_dir / "tessera" / "plugin.sock",
             scheduler_config=s.state_dir / "scheduler-config.yaml",
             agent_state=s.state_dir / "node-agent",
+            metrics_address=s.state_dir / "plugin-server-metrics-address",
         )
 
 
+def metrics_address(s: ClusterSettings) -> str:
+    """``HOST:PORT`` where the cluster's plugin server serves ``/metrics``."""
+    path = StackPaths.of(s).metrics_address
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise ClusterError(
+            f"{path} is missing: the stack of cluster {s.name!r} never started"
+        ) from None
+
+
+def _record_metrics_address(path: Path) -> str:
+    """A free loopback port, recorded at ``path`` (several dev clusters run side by side, so
+    not HAMi's 9395; a restarted plugin server keeps it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        address = f"{LOOPBACK}:{sock.getsockname()[1]}"
+    path.write_text(address + "\n")
+    return address
+
+
 def start_stack(
-    s: ClusterSettings, *, device_config: Path | None = None, timeout_s: float = 60.0
+    s: ClusterSettings,
+    *,
+    device_config: Path | None = None,
+    timeout_s: float = 60.0,
+    webhook: bool = True,
+    tracing_env: Mapping[str, str] | None = None,
 ) -> StackPaths:
-    """Start the three processes and wait until each is ready; stop all on failure."""
+    """Start the three processes and wait until each is ready; stop all on failure.
+    ``webhook``: then also Tessera's admission webhook (``devcluster.webhook``).
+    ``tracing_env``: OTEL_* variables for the scheduler and the plugin server on top of the
+    environment every component inherits (tracing is off unless OTEL_TRACES_EXPORTER is set)."""
     paths = StackPaths.of(s)
     scheduler_bin = s.binary(SCHEDULER)
     if not scheduler_bin.is_file():
         raise ClusterError(f"{scheduler_bin} is missing: run `make tools` first")
     paths.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths.agent_state.mkdir(parents=True, exist_ok=True)
+    _record_metrics_address(paths.metrics_address)
     _write_scheduler_config(paths.scheduler_config, s.kubeconfig, paths.socket)
     try:
         for component in STACK:
-            _spawn_ready(s, paths, component, device_config=device_config, timeout_s=timeout_s)
+            _spawn_ready(
+                s,
+                paths,
+                component,
+                device_config=device_config,
+                timeout_s=timeout_s,
+                tracing_env=tracing_env,
+            )
+        if webhook:
+            start_webhook(
+                s, scheduler_name=SCHEDULER_NAME, device_config=device_config, timeout_s=timeout_s
+            )
     except BaseException:
         stop_stack(s)
         raise
@@ -75,13 +120,27 @@ def restart_component(
     *,
     device_config: Path | None = None,
     timeout_s: float = 60.0,
+    kubeconfig: Path | None = None,
+    tracing_env: Mapping[str, str] | None = None,
 ) -> None:
     """Stop one stack component (if it still runs; a stale pid file is fine) and start it
-    again with the same command line as ``start_stack``, waiting until it is ready."""
+    again with the same command line as ``start_stack``, waiting until it is ready.
+    ``kubeconfig`` replaces the cluster's for the plugin server or node agent (the fault
+    tests route them through a proxy this way)."""
     if component not in STACK:
         raise ClusterError(f"unknown stack component {component!r}; one of {', '.join(STACK)}")
+    if kubeconfig is not None and component == SCHEDULER:
+        raise ClusterError(f"{SCHEDULER} reads its kubeconfig from its config file")
     processes.stop(s.pid_file(component))
-    _spawn_ready(s, StackPaths.of(s), component, device_config=device_config, timeout_s=timeout_s)
+    _spawn_ready(
+        s,
+        StackPaths.of(s),
+        component,
+        device_config=device_config,
+        timeout_s=timeout_s,
+        kubeconfig=kubeconfig,
+        tracing_env=tracing_env,
+    )
 
 
 def _spawn_ready(
@@ -91,13 +150,16 @@ def _spawn_ready(
     *,
     device_config: Path | None,
     timeout_s: float,
+    kubeconfig: Path | None = None,
+    tracing_env: Mapping[str, str] | None = None,
 ) -> None:
     t0 = time.monotonic()
     record = processes.spawn(
         component,
-        _argv(s, paths, component, device_config),
+        _argv(s, paths, component, device_config, kubeconfig or s.kubeconfig),
         log_path=s.log_file(component),
         pid_path=s.pid_file(component),
+        env=tracing_env if component in (SCHEDULER, PLUGIN_SERVER) else None,
     )
     processes.wait_ready(
         record, _probe(s, paths, component), log_path=s.log_file(component), timeout_s=timeout_s
@@ -106,7 +168,11 @@ def _spawn_ready(
 
 
 def _argv(
-    s: ClusterSettings, paths: StackPaths, component: str, device_config: Path | None
+    s: ClusterSettings,
+    paths: StackPaths,
+    component: str,
+    device_config: Path | None,
+    kubeconfig: Path,
 ) -> list[str]:
     tessera = [sys.executable, "-m", "scheduler_plugins.cli"]
     config_args = ["--config", str(device_config)] if device_config else []
@@ -115,9 +181,11 @@ def _argv(
             *tessera,
             "plugin-server",
             "--kubeconfig",
-            str(s.kubeconfig),
+            str(kubeconfig),
             "--socket",
             str(paths.socket),
+            "--metrics-address",
+            metrics_address(s),
             *config_args,
         ]
     if component == SCHEDULER:
@@ -135,7 +203,7 @@ def _argv(
         "node-agent",
         "kwok",
         "--kubeconfig",
-        str(s.kubeconfig),
+        str(kubeconfig),
         "--state-dir",
         str(paths.agent_state),
     ]
@@ -154,7 +222,7 @@ def _probe(s: ClusterSettings, paths: StackPaths, component: str) -> Callable[[]
 
 
 def stop_stack(s: ClusterSettings) -> list[str]:
-    stopped: list[str] = []
+    stopped: list[str] = [WEBHOOK] if stop_webhook(s) else []
     for component in reversed(STACK):
         if processes.stop(s.pid_file(component)) is not None:
             stopped.append(component)

@@ -70,6 +70,12 @@ def _abort(code: grpc.StatusCode, message: str) -> NoReturn:
 
 
 @dataclass(frozen=True)
+class _Unsure:
+    node: str
+    patched: Mapping[str, str]
+
+
+@dataclass(frozen=True)
 class _Cached:
     decision_id: int
     decision: Decision
@@ -131,6 +137,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._requests: OrderedDict[str, PodRequest] = OrderedDict()
         self._reservations: dict[str, _Reservation] = {}
         self._reserved_as: dict[str, str] = {}  # pod key -> ident of its reservation
+        # Pods whose bind failed after PreBind wrote their annotations, which could not be
+        # taken back (the pod may be bound after all): pod key -> what PreBind wrote.
+        self._unsure: OrderedDict[str, _Unsure] = OrderedDict()
         # Any change of the state can change any verdict: a cached Decision is exact only
         # until then (dropping it also stops the state from copying columns for it).
         cache.on_change(self._decisions.clear)
@@ -239,6 +248,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         self._check_ready()
         ident, key = _ident(request.pod)
+        self._settle_unsure(key)
         node = request.node
         with self._tracing.span("reserve"), self._cache.lock:
             cached = self._decisions.get(ident)
@@ -278,10 +288,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 _check_same_pod(res.plan.pod, key, ident)
             self._reservations.pop(ident, None)
             self._reserved_as.pop(key, None)
-            self._cache.forget(key)
-            self._cache.release_claim(key)
-        if res is not None and res.patched is not None:
-            self._take_back(key, res.plan.node, res.patched)
+            patched = res.patched if res is not None else None
+            if patched is None:
+                self._cache.forget(key)
+                self._cache.release_claim(key)
+        # The reservation goes only once its annotations are gone from the pod: while they
+        # may stand (the pod bound after all, or the API unreachable) it keeps counting, or
+        # another pod could be given the same devices before the watch shows them.
+        if res is not None and patched is not None:
+            taken_back = self._take_back(key, res.plan.node, patched)
+            with self._cache.lock:
+                if taken_back:
+                    self._cache.forget(key)
+                    self._cache.release_claim(key)
+                else:
+                    _put(self._unsure, key, _Unsure(res.plan.node, patched))
         log.info("unreserved", pod=key, node=request.node or None)
         return pb.UnreserveResponse()
 
@@ -327,11 +348,34 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ----- helpers -----------------------------------------------------------------------
 
-    def _take_back(self, key: str, node: str, patched: Mapping[str, str]) -> None:
+    def _settle_unsure(self, key: str) -> None:
+        """Before a pod is reserved again: if an earlier bind of it may have gone through
+        (its reservation still counts), find out. Bound: refuse (the scheduler will see it
+        bound); not bound: take the old annotations back and drop the old reservation;
+        cannot tell: refuse for now. Otherwise a second reservation would replace the
+        first while the first may be the pod's real allocation, and its devices could go
+        to another pod."""
+        with self._cache.lock:
+            unsure = self._unsure.get(key)
+        if unsure is None:
+            return
+        if not self._take_back(key, unsure.node, unsure.patched):
+            _abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"pod {key}: an earlier bind on node {unsure.node} may have gone through; "
+                "retry once the cluster shows whether it did",
+            )
+        with self._cache.lock:
+            self._unsure.pop(key, None)
+            self._cache.forget(key)
+            self._cache.release_claim(key)
+
+    def _take_back(self, key: str, node: str, patched: Mapping[str, str]) -> bool:
         """PreBind wrote the reservation but the bind failed: take it back, or the unbound
         pod would keep counting on that node (best effort; logged). Not from a pod that is
         bound after all: a Bind whose answer was lost (the apiserver went away) may have
-        gone through, and then these annotations are the pod's allocation."""
+        gone through, and then these annotations are the pod's allocation. Whether the
+        annotations are gone (or the pod is)."""
         path = _pod_path(*key.split("/", 1))
         undo = {"metadata": {"annotations": dict.fromkeys(patched)}}
         for _ in range(3):
@@ -344,18 +388,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                         pod=key,
                         node=bound_to,
                     )
-                    return
+                    return False
                 version = (pod.get("metadata") or {}).get("resourceVersion")
                 self._kube.merge_patch(path, undo, resource_version=version)
-                return
+                return True
             except NotFoundError:
-                return
+                return True
             except ConflictError:
                 continue  # changed since we read it (bound just now?): look again
             except KubeError as e:
                 log.warning("cannot remove bind annotations", pod=key, node=node, error=str(e))
-                return
+                return False
         log.warning("cannot remove bind annotations: the pod keeps changing", pod=key, node=node)
+        return False
 
     def _wait_and_claim(
         self, context: grpc.ServicerContext, key: str, node: str, annotations: dict[str, str]
@@ -411,6 +456,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     self._prebind_waiters -= 1
 
     def _drop_reservation(self, key: str) -> None:
+        self._unsure.pop(key, None)
         ident = self._reserved_as.pop(key, None)
         if ident is not None:
             self._reservations.pop(ident, None)

@@ -15,7 +15,6 @@ import yaml
 
 from scheduler_plugins.config import DeviceConfig, load_config_file
 from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.logs import add_logging_flags, configure
 from scheduler_plugins.webhook.certs import (
     DEFAULT_HOSTS,
     ServingPki,
@@ -77,7 +76,6 @@ def add_webhook_commands(
         help="user allowed to preset internal annotations and nodeName (repeatable)",
     )
     serve.add_argument("--address-file", type=Path, help="write HOST:PORT here once listening")
-    add_logging_flags(serve)
     serve.add_argument(
         "--watch-timeout", type=int, default=60, metavar="SECONDS", help="seconds per node watch"
     )
@@ -86,7 +84,6 @@ def add_webhook_commands(
     certs = sub.add_parser("certs", help="make (or reuse) a CA + serving cert; print caBundle")
     _cert_args(certs)
     certs.add_argument("--ca-bundle-out", type=Path, help="also write the caBundle here")
-    add_logging_flags(certs)
     certs.set_defaults(func=_cmd_certs)
 
     manifest = sub.add_parser("manifest", help="print the MutatingWebhookConfiguration")
@@ -125,13 +122,18 @@ def _cert_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _configure_logging(args: argparse.Namespace) -> None:
-    """JSON lines on stderr (``--log-format``/``--log-level``), unless the process configured
-    structlog itself."""
+def _configure_logging() -> None:
+    """JSON lines on stderr, unless the process configured structlog itself."""
     if not structlog.is_configured():
-        # Uncached: a logger bound once must follow a later reconfiguration (tests run
-        # several commands in one process); the webhook logs a few lines per review.
-        configure(args.log_format, args.log_level, cache=False)
+        structlog.configure(
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso"),
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(),
+            ],
+            logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        )
 
 
 def _pki(args: argparse.Namespace) -> ServingPki:
@@ -142,7 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from scheduler_plugins.webhook.app import WebhookApp
     from scheduler_plugins.webhook.server import parse_listen, server_ssl_context
 
-    _configure_logging(args)
+    _configure_logging()
     host, port = parse_listen(args.listen)
     if (args.tls_cert_file is None) != (args.tls_key_file is None):
         raise WebhookSetupError("give both --tls-cert-file and --tls-key-file, or neither")
@@ -182,7 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
-    _configure_logging(args)  # stdout is the answer
+    _configure_logging()  # stdout is the answer
     pki = _pki(args)
     bundle = ca_bundle(pki.ca_cert)
     if args.ca_bundle_out:

@@ -25,34 +25,30 @@ def _cluster(seed: int = 3, nodes: int = 40, pods: int = 150) -> ClusterState:
 
 
 def _snapshot(d: Decision) -> tuple[object, ...]:
-    plans = [
-        (p.rows.copy(), p.mig_rank.copy(), p.mig_start.copy(), p.gpu_score.copy()) for p in d._plans
-    ]
+    """The verdicts and the plan of every feasible node (computed now, if not yet)."""
+    plans = {name: d.plan_for(name) for i, name in enumerate(d.layout.names) if d.feasible[i]}
     return d.feasible.copy(), d.score.copy(), d.desirability.copy(), plans
 
 
 def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     fa, sa, da, pa = a
     fb, sb, db, pb = b
-    assert isinstance(pa, list) and isinstance(pb, list)
     arrays = [(fa, fb), (sa, sb), (da, db)]
-    arrays += [(x, y) for p, q in zip(pa, pb, strict=True) for x, y in zip(p, q, strict=True)]
-    return all(np.array_equal(x, y) for x, y in arrays)  # type: ignore[arg-type]
+    return pa == pb and all(np.array_equal(x, y) for x, y in arrays)  # type: ignore[arg-type]
 
 
 def test_a_decision_keeps_its_arrays_while_later_ones_reuse_the_work_arrays() -> None:
     state = _cluster()
     mix = request_mix(CFG)
-    kept = [(kind, decide(state, r)) for kind, r in mix]
-    before = [_snapshot(d) for _, d in kept]
+    before = [_snapshot(decide(state, r)) for _, r in mix]
+    kept = [(kind, decide(state, r)) for kind, r in mix]  # plans not asked for yet
     for _ in range(2):  # the same work arrays, overwritten by every request type
         for _, r in reversed(mix):
             decide(state, r)
     for (kind, d), snap in zip(kept, before, strict=True):
         assert _same(_snapshot(d), snap), kind
-        best = d.best_node()
-        if best is not None:
-            assert d.plan_for(best) is not None
+        feasible = snap[0]
+        assert isinstance(feasible, np.ndarray) and feasible.any(), f"{kind}: nothing to plan"
 
 
 def test_results_share_no_memory_with_the_work_arrays() -> None:
@@ -61,8 +57,15 @@ def test_results_share_no_memory_with_the_work_arrays() -> None:
     tables = [t for t in (layout.core, layout.mig) if t is not None]
     for kind, r in request_mix(CFG):
         d = decide(state, r)
+        best = d.best_node()
+        assert best is not None and d.plan_for(best) is not None
         kept = [d.feasible, d.score, d.desirability]
-        kept += [a for p in d._plans for a in (p.rows, p.mig_rank, p.mig_start, p.gpu_score)]
+        kept += [
+            a
+            for plans, _ in d._plans.values()
+            for p in plans
+            for a in (p.rows, p.mig_rank, p.mig_start, p.gpu_score)
+        ]
         work = [
             a for s in (layout.scratch, *(t.scratch for t in tables)) for a in s._arrays.values()
         ]

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,3 +140,21 @@ def test_wait_ready_times_out_with_reason(spawn_sh: SpawnSh, tmp_path: Path) -> 
         processes.wait_ready(
             rec, lambda: "port closed", log_path=tmp_path / "sh.log", timeout_s=0.3
         )
+
+
+def test_wait_released_waits_for_the_last_thread_not_the_zombie_leader(
+    spawn_sh: SpawnSh, tmp_path: Path
+) -> None:
+    # The main thread exits on its own while another keeps running (and the files open):
+    # the leader shows as a zombie, which ``is_running`` counts as stopped.
+    script = (
+        "import ctypes, threading, time; "
+        "threading.Thread(target=time.sleep, args=(300,)).start(); "
+        "ctypes.CDLL(None).pthread_exit(None)"
+    )
+    rec = spawn_sh(script, "py", sys.executable)
+    wait_until(lambda: not processes.is_running(rec))
+    assert not processes.wait_released(rec, timeout_s=0.3)
+    os.killpg(rec.pid, signal.SIGKILL)
+    assert processes.wait_released(rec, timeout_s=5)
+    assert not Path(f"/proc/{rec.pid}").exists()

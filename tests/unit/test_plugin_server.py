@@ -22,7 +22,7 @@ from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins import annotations as ann
 from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.kube.errors import ServerError
+from scheduler_plugins.kube.errors import ServerError, UnreachableError
 from scheduler_plugins.node_register import GpuDevice, encode
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from scheduler_plugins.server.cache import ClusterCache
@@ -48,9 +48,12 @@ class FakeKube:
         self.fail_with: Exception | None = None
         self.lock = threading.Lock()
         self.objects: dict[str, dict[str, Any]] = {}  # GET answers; default: an unbound pod
+        self.get_fails_with: Exception | None = None
 
     def get(self, path: str) -> Any:
         with self.lock:
+            if self.get_fails_with is not None:
+                raise self.get_fails_with
             return self.objects.get(path, {"metadata": {"resourceVersion": "1"}, "spec": {}})
 
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
@@ -430,6 +433,60 @@ def test_unreserve_keeps_the_annotations_of_a_pod_bound_after_all(h: Harness) ->
     }
     h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
     assert len(h.kube.patches) == patches
+    # ... and its devices keep counting until the watch shows the pod.
+    assert h.cache.state.allocation("default/p") is not None
+    assert "default/p" in h.cache.allocating("n")
+
+
+def test_unreserve_keeps_counting_a_reservation_it_cannot_take_back(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    h.prebind("p", "n")
+    h.kube.get_fails_with = UnreachableError("GET /p failed: apiserver down")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert h.cache.state.allocation("default/p") is not None
+
+
+def test_a_pod_whose_bind_went_through_is_not_reserved_again(h: Harness) -> None:
+    """The scheduler did not see the bind (its answer was lost) and tries the pod again: the
+    plugin server refuses while the pod is bound, so its real devices stay counted."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    h.prebind("p", "n")
+    h.kube.objects["/api/v1/namespaces/default/pods/p"] = {
+        "metadata": {"resourceVersion": "7"},
+        "spec": {"nodeName": "n"},
+    }
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    before = h.cache.state.allocation("default/p")
+    with pytest.raises(grpc.RpcError) as e:
+        h.schedule(pod, "n")
+    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "may have gone through" in _details(e)
+    assert h.cache.state.allocation("default/p") == before
+
+
+def test_a_pod_whose_bind_did_not_go_through_is_reserved_again_cleanly(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    written = h.prebind("p", "n").annotations
+    h.kube.get_fails_with = UnreachableError("GET /p failed: apiserver down")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    h.kube.get_fails_with = None  # back: the pod shows unbound
+    h.schedule(pod, "n")
+    _, undo = h.kube.patches[-1]
+    assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
+    assert h.prebind("p", "n").annotations[ann.VGPU_NODE] == "n"
+
+
+def test_unreserve_of_an_unbound_pod_releases_its_devices(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    h.prebind("p", "n")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert h.cache.state.allocation("default/p") is None
+    assert h.cache.allocating("n") == {}
 
 
 @pytest.mark.parametrize("seen", ["bound", "deleted"])

@@ -93,7 +93,8 @@ def test_certs_then_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert (
         main(["webhook", "certs", "--cert-dir", str(certs), "--host", "webhook.tessera.svc"]) == 0
     )
-    bundle = capsys.readouterr().out.strip()
+    # The bundle is the last line (a process-wide logger configured elsewhere may print too).
+    bundle = capsys.readouterr().out.strip().splitlines()[-1]
     assert base64.b64decode(bundle) == (certs / "ca.crt").read_bytes()
     args = ["webhook", "manifest", "--service", "tessera/webhook", "--cert-dir", str(certs)]
     assert (

@@ -1,0 +1,260 @@
+"""Batches of benchmark pods: create them on client threads, wait until they settle, and
+turn what the watch saw into numbers (latency, throughput, queue drain, node bursts).
+
+The send time of each create and the watch time of each binding, both on this process's
+monotonic clock, give the scheduling latency (``creationTimestamp`` has one-second
+resolution).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import structlog
+
+from scheduler_plugins.bench import stats
+from scheduler_plugins.bench.errors import BenchError
+from scheduler_plugins.bench.progress import Progress
+from scheduler_plugins.bench.watcher import PodTimes
+from scheduler_plugins.bench.workload import BenchPod, kind_counts
+from scheduler_plugins.kube.errors import ConflictError, KubeError
+
+log = structlog.get_logger(__name__)
+
+NAMESPACE: Final = "tessera-bench"
+PODS_PATH: Final = f"/api/v1/namespaces/{NAMESPACE}/pods"
+BATCH_LABEL: Final = "tessera.dev/bench"
+CREATE_ATTEMPTS: Final = 5
+CDF_POINTS: Final = 101
+
+Obj = dict[str, Any]
+Json = dict[str, Any]
+
+
+class Creator(Protocol):
+    """What a batch needs of the API client."""
+
+    def post(self, path: str, body: object) -> Any: ...
+
+
+class Renderer(Protocol):
+    """Turns a benchmark pod into the manifest for one scheduler."""
+
+    def manifest(self, pod: BenchPod, *, namespace: str, labels: Mapping[str, str]) -> Obj: ...
+
+
+@dataclass
+class Batch:
+    """One set of pods created together and what the watch saw of them."""
+
+    label: str
+    pods: tuple[BenchPod, ...]
+    sent: dict[str, float] = field(default_factory=dict)
+    create_errors: list[str] = field(default_factory=list)
+    bound: dict[str, float] = field(default_factory=dict)
+    allocated: dict[str, float] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
+    done_at: float = 0.0
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.pods]
+
+    def collect(self, watch: PodTimes) -> None:
+        bound, allocated, nodes = watch.snapshot()
+        names = set(self.names)
+        self.bound = {n: t for n, t in bound.items() if n in names}
+        self.allocated = {n: t for n, t in allocated.items() if n in names}
+        self.nodes = {n: v for n, v in nodes.items() if n in names}
+
+
+def create_batch(
+    api: Creator,
+    scheduler: Renderer,
+    batch: Batch,
+    *,
+    workers: int,
+    rate: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> threading.Thread:
+    """Start creating the batch's pods on ``workers`` threads (at most ``rate`` per second
+    when given); returns the feeding thread."""
+    labels = {BATCH_LABEL: batch.label}
+    lock = threading.Lock()
+    start = clock()
+
+    def create(item: tuple[int, BenchPod]) -> None:
+        index, pod = item
+        if rate:
+            time.sleep(max(0.0, start + index / rate - clock()))
+        manifest = scheduler.manifest(pod, namespace=NAMESPACE, labels=labels)
+        delay = 0.2
+        for attempt in range(CREATE_ATTEMPTS):
+            sent = clock()
+            try:
+                api.post(PODS_PATH, manifest)
+            except ConflictError:
+                pass  # an earlier attempt got through before its answer was lost
+            except KubeError as e:
+                if attempt == CREATE_ATTEMPTS - 1:
+                    with lock:
+                        batch.create_errors.append(f"{pod.name}: {e}")
+                    return
+                time.sleep(delay)
+                delay *= 2
+                continue
+            with lock:
+                batch.sent[pod.name] = sent
+            return
+
+    def feed() -> None:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="create") as pool:
+            list(pool.map(create, enumerate(batch.pods)))
+
+    thread = threading.Thread(target=feed, name=f"create-{batch.label}", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_batch(
+    watch: PodTimes,
+    batch: Batch,
+    feeder: threading.Thread,
+    *,
+    wait_allocated: bool,
+    settle_s: float,
+    timeout_s: float,
+    progress: Progress,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Until every pod is bound (and, with ``wait_allocated``, every bound GPU pod has its
+    node agent's answer), or nothing changed for ``settle_s`` after the last create, or
+    ``timeout_s``."""
+    total = len(batch.pods)
+    gpu = {p.name for p in batch.pods if p.gpus}
+    start = clock()
+    last_change = start
+    seen = (-1, -1)
+    while True:
+        feeding = feeder.is_alive()
+        batch.collect(watch)
+        failed = watch.failed & gpu
+        bound = len(batch.bound)
+        answered = len((batch.allocated.keys() | failed) & gpu & batch.bound.keys())
+        now = clock()
+        rate = bound / (now - start) if now > start else 0.0
+        progress.update(
+            bound, f"created {len(batch.sent)}  bound {bound}  {rate:.0f}/s  allocated {answered}"
+        )
+        if (bound, answered) != seen:
+            seen = (bound, answered)
+            last_change = now
+        gpu_bound = len(gpu & batch.bound.keys())
+        complete = bound + len(batch.create_errors) >= total and (
+            not wait_allocated or answered >= gpu_bound
+        )
+        if not feeding and complete:
+            break
+        if not feeding and now - last_change > settle_s:
+            break
+        if now - start > timeout_s:
+            log.warning("bench.batch_timeout", batch=batch.label, bound=bound, total=total)
+            break
+        watch.wait_changed(0.25)
+    feeder.join()
+    batch.collect(watch)
+    batch.done_at = clock()
+    progress.close(len(batch.bound), f"bound {len(batch.bound)} of {total}")
+
+
+def batch_json(batch: Batch, *, failed: set[str]) -> Json:
+    """The numbers of one batch (times relative to its first create)."""
+    if not batch.sent:
+        raise BenchError(f"batch {batch.label}: no pod could be created: {batch.create_errors[:3]}")
+    first = min(batch.sent.values())
+    last_sent = max(batch.sent.values())
+    bound_times = list(batch.bound.values())
+    latency = stats.latencies(batch.sent, batch.bound)
+    gpu = {p.name for p in batch.pods if p.gpus}
+    alloc = stats.latencies({n: t for n, t in batch.bound.items() if n in gpu}, batch.allocated)
+    series = stats.rate_series(bound_times, start=first)
+    create_span = last_sent - first
+    summary = stats.summarize_seconds(latency)
+    return {
+        "pods": len(batch.pods),
+        "kinds": kind_counts(batch.pods),
+        "created": len(batch.sent),
+        "create_errors": batch.create_errors[:10],
+        "bound": len(batch.bound),
+        "allocated": len(batch.allocated.keys() & gpu),
+        "allocation_failed": len(failed & gpu),
+        "pending": len(batch.pods) - len(batch.bound),
+        "create_rate_pods_per_s": round(len(batch.sent) / create_span, 1) if create_span else None,
+        "throughput_pods_per_s": round(stats.throughput(first, bound_times), 2)
+        if bound_times
+        else 0.0,
+        "steady_pods_per_s": round(stats.steady_rate(series), 2),
+        "wall_s": round(batch.done_at - first, 2),
+        "last_bound_s": round(max(bound_times) - first, 3) if bound_times else None,
+        "latency_ms": summary.to_json() if summary else None,
+        "latency_cdf_ms": _cdf_ms(latency),
+        "allocation_ms": s.to_json() if (s := stats.summarize_seconds(alloc)) else None,
+        "rate_series": series,
+    }
+
+
+def _cdf_ms(values: Sequence[float]) -> list[float]:
+    if not values:
+        return []
+    ms = sorted(v * 1000.0 for v in values)
+    return [round(stats.percentile(ms, q), 3) for q in range(CDF_POINTS)]
+
+
+# Process and metrics sampling ------------------------------------------------------------------
+
+
+def drain_json(
+    batch: Batch, resumed: float, *, cpu_s: Mapping[str, float], requests: list[Json]
+) -> Json:
+    """How fast a queue of pods was bound once the scheduler started (``resumed``)."""
+    times = sorted(batch.bound.values())
+    series = stats.rate_series(times, start=resumed)
+    span = times[-1] - times[0] if len(times) > 1 else 0.0
+    bound = len(times)
+    return {
+        "pods": len(batch.pods),
+        "created": len(batch.sent),
+        "bound": bound,
+        "pending": len(batch.pods) - bound,
+        "first_bound_s": round(times[0] - resumed, 2) if times else None,
+        "drain_s": round(times[-1] - resumed, 2) if times else None,
+        # From the first binding: the scheduler's start-up (informer sync) is not scheduling.
+        "drain_pods_per_s": round((bound - 1) / span, 2) if span > 0 else None,
+        "steady_pods_per_s": round(stats.steady_rate(series), 2),
+        "rate_series": series,
+        "cpu_ms_per_pod": {c: round(v * 1000.0 / bound, 2) for c, v in cpu_s.items()}
+        if bound
+        else {},
+        "api_requests": requests,
+    }
+
+
+def burst_json(label: str, what: str, batch: Batch) -> Json:
+    first = min(batch.sent.values()) if batch.sent else 0.0
+    offsets = sorted(round(t - first, 3) for t in batch.bound.values())
+    alloc = sorted(round(t - first, 3) for t in batch.allocated.values())
+    return {
+        "label": label,
+        "what": what,
+        "pods": len(batch.pods),
+        "bound": len(batch.bound),
+        "all_bound_s": offsets[-1] if len(offsets) == len(batch.pods) else None,
+        "all_allocated_s": alloc[-1] if alloc and len(alloc) == len(batch.pods) else None,
+        "bound_offsets_s": offsets,
+        "nodes": sorted(set(batch.nodes.values())),
+    }

@@ -1,0 +1,618 @@
+"""The benchmark's results on disk: ``<name>.json`` (everything measured), ``<name>.md`` (the
+tables a reader wants) and ``<name>-*.png`` plots (matplotlib, Agg backend).
+
+Works on the JSON dict the runner builds, so a saved JSON can be rendered again
+(``write_report(json.load(...), ...)``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+Json = Mapping[str, Any]
+
+TESSERA: Final = "tessera"
+STOCK: Final = "stock"
+MIB_PER_GIB: Final = 1024
+DECISION_METRIC: Final = "tessera_scheduler_decision_duration_seconds"
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    measured: float | None
+    limit: float
+    higher_is_better: bool
+
+    @property
+    def met(self) -> bool | None:
+        if self.measured is None:
+            return None
+        return self.measured >= self.limit if self.higher_is_better else self.measured <= self.limit
+
+    def to_json(self) -> dict[str, Any]:
+        return {"what": self.what, "measured": self.measured, "limit": self.limit, "met": self.met}
+
+
+def _run(result: Json, nodes: int) -> Json | None:
+    runs: list[Json] = result.get("runs", [])
+    return next((r for r in runs if r.get("nodes") == nodes), None)
+
+
+def decision_series(phase: Json) -> Json | None:
+    """The plugin server's decision latency histogram (one ``decide`` per PreFilter), else
+    its PreFilter RPC histogram, if scraped."""
+    series: list[Json] = phase.get("plugin_rpc") or []
+    for h in series:
+        if h.get("name") == DECISION_METRIC:
+            return h
+    for h in series:
+        if (h.get("labels") or {}).get("method") == "PreFilter" and (h.get("labels") or {}).get(
+            "code", "OK"
+        ) in ("OK", "ok"):
+            return h
+    return None
+
+
+def targets(result: Json) -> list[Target]:
+    """The benchmark's goals, evaluated on the node counts this run covered."""
+    out: list[Target] = []
+    for nodes, limit in ((1000, 0.8), (5000, 0.6)):
+        run = _run(result, nodes)
+        ratio = (run or {}).get("ratio") or {}
+        if ratio:
+            drained = ratio.get("drain_throughput") is not None
+            out.append(
+                Target(
+                    f"Tessera throughput ≥ {limit}× stock at {nodes} nodes "
+                    f"({'queue drain' if drained else 'streamed workload'})",
+                    ratio.get("drain_throughput") if drained else ratio.get("throughput"),
+                    limit,
+                    True,
+                )
+            )
+    big = _run(result, 5000)
+    tessera = (big or {}).get("phases", {}).get(TESSERA)
+    if tessera:
+        series = decision_series(tessera)
+        out.append(
+            Target(
+                "p99 plugin decision (PreFilter) ≤ 10 ms at 5000 nodes",
+                series.get("p99") if series else None,
+                10.0,
+                False,
+            )
+        )
+        server = (tessera.get("components") or {}).get("plugin-server") or {}
+        out.append(
+            Target(
+                f"plugin server peak RSS ≤ 1 GiB at 5000 nodes / {big['pods'] if big else 0} pods",
+                server.get("peak_rss_mib"),
+                1.0 * MIB_PER_GIB,
+                False,
+            )
+        )
+    return out
+
+
+# Markdown -------------------------------------------------------------------------------------
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"  # ratios and small ms keep digits
+    return str(v)
+
+
+def _rate(rate: object) -> str:
+    return f"at most {rate} pods/s" if rate else "as fast as they can"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _phases(result: Json) -> Iterable[tuple[Json, str, Json]]:
+    for run in result.get("runs", []):
+        for name, phase in (run.get("phases") or {}).items():
+            yield run, name, phase
+
+
+def markdown(result: Json, plots: Sequence[str]) -> str:
+    opts = result.get("options") or {}
+    host = result.get("host") or {}
+    lines = [
+        "# Tessera cluster benchmark: Tessera vs. the stock kube-scheduler on kwok nodes",
+        "",
+        f"Run {result.get('started', '?')} – {result.get('finished', 'unfinished')} on "
+        f"{host.get('cpus', '?')} CPUs (load average before {host.get('load_before')}, after "
+        f"{host.get('load_after')}). Seed {opts.get('seed')}, mix {opts.get('mix')}, "
+        f"{opts.get('create_workers')} client threads creating pods "
+        f"({_rate(opts.get('rate'))}); Tessera's node policy: "
+        f"{opts.get('node_policy') or 'cluster default (binpack)'}; admission webhook: "
+        f"{'on' if opts.get('webhook') else 'off'}.",
+        "",
+        "Latency is client-side: from sending a pod's create to the watch showing it bound.",
+        "Throughput is bound pods ÷ (last binding − first create); *steady* is the mean rate",
+        "over the middle 80% of the busy seconds. The stock scheduler places the same pods",
+        "asking plain resources only (cpu, memory, a `nvidia.com/gpu` slot count).",
+        "",
+        "## Main workload",
+        "",
+    ]
+    rows = []
+    for run, name, ph in _phases(result):
+        m = ph.get("main") or {}
+        lat = m.get("latency_ms") or {}
+        alloc = m.get("allocation_ms") or {}
+        rows.append(
+            [
+                run["nodes"],
+                run["pods"],
+                name,
+                m.get("bound"),
+                m.get("pending"),
+                m.get("throughput_pods_per_s"),
+                m.get("steady_pods_per_s"),
+                m.get("create_rate_pods_per_s"),
+                lat.get("p50_ms"),
+                lat.get("p90_ms"),
+                lat.get("p99_ms"),
+                alloc.get("p50_ms"),
+                alloc.get("p99_ms"),
+            ]
+        )
+    lines += _table(
+        [
+            "nodes",
+            "pods",
+            "scheduler",
+            "bound",
+            "pending",
+            "pods/s",
+            "steady pods/s",
+            "create/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "agent p50 ms",
+            "agent p99 ms",
+        ],
+        rows,
+    )
+    lines += ["*agent*: binding → node agent's `bind-phase: success` (Tessera only).", ""]
+    lines += _drain_section(result)
+    ratio_rows = [
+        [
+            run["nodes"],
+            (run.get("ratio") or {}).get("drain_throughput"),
+            (run.get("ratio") or {}).get("throughput"),
+            (run.get("ratio") or {}).get("steady_throughput"),
+            (run.get("ratio") or {}).get("latency_p50_ms"),
+            (run.get("ratio") or {}).get("latency_p99_ms"),
+        ]
+        for run in result.get("runs", [])
+        if run.get("ratio")
+    ]
+    if ratio_rows:
+        lines += ["## Tessera ÷ stock", ""]
+        lines += _table(
+            [
+                "nodes",
+                "drain throughput",
+                "streamed throughput",
+                "streamed steady",
+                "p50 latency",
+                "p99 latency",
+            ],
+            ratio_rows,
+        )
+    goals = targets(result)
+    if goals:
+        lines += ["## Targets", ""]
+        lines += _table(["target", "measured", "met"], [[t.what, t.measured, t.met] for t in goals])
+    errors = [
+        f"- {run['nodes']} nodes, {name}: {ph['error']}"
+        for run, name, ph in _phases(result)
+        if ph.get("error")
+    ]
+    if errors:
+        lines += ["## Errors", "", "These phases stopped early; what they measured is kept.", ""]
+        lines += [*errors, ""]
+    lines += _plugin_section(result)
+    lines += _components_section(result)
+    lines += _requests_section(result)
+    lines += _concurrency_section(result)
+    lines += _churn_section(result)
+    lines += _check_section(result)
+    lines += _pending_section(result)
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _drain_section(result: Json) -> list[str]:
+    rows = []
+    for run, name, ph in _phases(result):
+        d = ph.get("drain")
+        if not d:
+            continue
+        cpu = d.get("cpu_ms_per_pod") or {}
+        top = sorted(cpu.items(), key=lambda kv: -kv[1])[:4]
+        rows.append(
+            [
+                run["nodes"],
+                name,
+                d["pods"],
+                d["bound"],
+                d.get("first_bound_s"),
+                d.get("drain_s"),
+                d.get("drain_pods_per_s"),
+                d.get("steady_pods_per_s"),
+                ", ".join(f"{c} {v:.1f}" for c, v in top),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        "## Queue drain (scheduler throughput)",
+        "",
+        "Pods created while the scheduler was stopped, then the scheduler started: pods/s is",
+        "bound pods ÷ (last − first binding), with no client creating pods at the same time.",
+        "",
+        *_table(
+            [
+                "nodes",
+                "scheduler",
+                "pods",
+                "bound",
+                "first bound s",
+                "drained s",
+                "pods/s",
+                "steady pods/s",
+                "CPU ms per pod (top processes)",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _plugin_section(result: Json) -> list[str]:
+    rows = []
+    notes = []
+    for run, name, ph in _phases(result):
+        if name != TESSERA:
+            continue
+        for h in ph.get("plugin_rpc") or []:
+            label = ",".join(f"{k}={v}" for k, v in sorted((h.get("labels") or {}).items()))
+            rows.append(
+                [
+                    run["nodes"],
+                    f"{h['name']}{{{label}}}",
+                    h["count"],
+                    h.get("mean"),
+                    h.get("p50"),
+                    h.get("p90"),
+                    h.get("p99"),
+                ]
+            )
+        if not ph.get("plugin_rpc"):
+            why = ph.get("metrics_error") or (
+                "the plugin server served no /metrics in this run"
+                if not ph.get("metrics_url")
+                else "no histogram observations"
+            )
+            notes.append(f"- {run['nodes']} nodes: no RPC histograms ({why}).")
+    out = ["## Plugin server RPCs (main workload)", ""]
+    if rows:
+        out += _table(["nodes", "series", "count", "mean", "p50", "p90", "p99"], rows)
+        out += ["Units: ms for `*_seconds` histograms.", ""]
+    out += notes
+    return [*out, ""] if notes else out
+
+
+def _components_section(result: Json) -> list[str]:
+    rows = []
+    for run, name, ph in _phases(result):
+        bound = (ph.get("main") or {}).get("bound") or 0
+        for comp, c in sorted((ph.get("components") or {}).items()):
+            main_cpu = c.get("cpu_s_main")
+            per_pod = main_cpu * 1000.0 / bound if main_cpu is not None and bound else None
+            rows.append(
+                [run["nodes"], name, comp, c.get("cpu_s"), main_cpu, per_pod, c.get("peak_rss_mib")]
+            )
+    if not rows:
+        return []
+    return [
+        "## CPU and memory by process",
+        "",
+        *_table(
+            [
+                "nodes",
+                "scheduler",
+                "process",
+                "CPU s (phase)",
+                "CPU s (main)",
+                "CPU ms / bound pod",
+                "peak RSS MiB",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _requests_section(result: Json, top: int = 8) -> list[str]:
+    rows = []
+    for run, name, ph in _phases(result):
+        drained = (ph.get("drain") or {}).get("api_requests")
+        for r in (drained or ph.get("api_requests") or [])[:top]:
+            what = f"{r.get('verb')} {r.get('resource')}"
+            if r.get("subresource"):
+                what += f"/{r['subresource']}"
+            rows.append([run["nodes"], name, what, r["count"], r.get("per_pod")])
+    if not rows:
+        return []
+    return [
+        "## API requests per bound pod",
+        "",
+        "From the apiserver's `apiserver_request_total`, every client together (scheduler,",
+        "plugin server, node agent, kwok), during the queue drain (no creates in it; the",
+        "streamed workload when there was no drain).",
+        "",
+        *_table(["nodes", "scheduler", "request", "count", "per bound pod"], rows),
+    ]
+
+
+def _concurrency_section(result: Json) -> list[str]:
+    rows = []
+    for run, name, ph in _phases(result):
+        for b in ph.get("node_concurrency") or []:
+            offsets = b.get("bound_offsets_s") or []
+            rows.append(
+                [
+                    run["nodes"],
+                    name,
+                    b["what"],
+                    f"{b['bound']}/{b['pods']}",
+                    b.get("all_bound_s"),
+                    b.get("all_allocated_s"),
+                    " ".join(f"{t:.2f}" for t in offsets),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "## Node concurrency",
+        "",
+        "Pods created at once, all aimed at one node (and GPU). Pods whose next containers ask",
+        "the same device count are ambiguous to the node agent, so Tessera binds them one",
+        "after another's allocation; pods asking distinct counts bind without waiting.",
+        "",
+        *_table(
+            [
+                "nodes",
+                "scheduler",
+                "burst",
+                "bound",
+                "all bound s",
+                "all allocated s",
+                "bound at s",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _churn_section(result: Json) -> list[str]:
+    rows = []
+    for run, name, ph in _phases(result):
+        c = ph.get("churn")
+        if not c:
+            continue
+        lat = c.get("latency_ms") or {}
+        rows.append(
+            [
+                run["nodes"],
+                name,
+                c.get("deleted"),
+                c.get("succeeded"),
+                c.get("deleted_instead"),
+                c.get("end_s"),
+                c.get("pods"),
+                c.get("bound"),
+                c.get("throughput_pods_per_s"),
+                lat.get("p50_ms"),
+                lat.get("p99_ms"),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        "## Churn",
+        "",
+        "While a share of the bound pods is deleted (grace 0) or marked Succeeded, as many new",
+        "pods arrive; the invariant check below runs after it. A pod is marked Succeeded only",
+        "once kwok has made it Running (else kwok would set it back to Running); one that is",
+        "not Running within a minute is deleted instead.",
+        "",
+        *_table(
+            [
+                "nodes",
+                "scheduler",
+                "deleted",
+                "succeeded",
+                "deleted instead",
+                "ending s",
+                "new pods",
+                "bound",
+                "pods/s",
+                "p50 ms",
+                "p99 ms",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _check_section(result: Json) -> list[str]:
+    rows = []
+    details: list[str] = []
+    for run, name, ph in _phases(result):
+        c = ph.get("check")
+        if c is None:
+            continue
+        rows.append([run["nodes"], name, c["ok"], c["attempts"], c["summary"]])
+        details += [f"- {run['nodes']} nodes: {v}" for v in c.get("violations") or []]
+    if not rows:
+        return []
+    return [
+        "## Invariant check (`tessera check` after the last scenario)",
+        "",
+        *_table(["nodes", "scheduler", "ok", "snapshots", "summary"], rows),
+        *details,
+        "",
+    ]
+
+
+def _pending_section(result: Json) -> list[str]:
+    lines: list[str] = []
+    for run, name, ph in _phases(result):
+        for scenario in ("main", "churn"):
+            reasons = (ph.get(scenario) or {}).get("pending_reasons") or {}
+            for message, n in reasons.items():
+                lines.append(f"- {run['nodes']} nodes, {name}, {scenario}: {n}× {message}")
+    return ["## Pending pods (most common reasons)", "", *lines, ""] if lines else []
+
+
+# Plots ----------------------------------------------------------------------------------------
+
+
+def plots(result: Json, out_dir: Path, name: str) -> list[Path]:
+    """The PNGs this result has data for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    runs = [r for r in result.get("runs", []) if r.get("phases")]
+    if not runs:
+        return written
+
+    def save(fig: Any, suffix: str) -> None:
+        path = out_dir / f"{name}-{suffix}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    def each_run(draw: Callable[[Any, Json], None], suffix: str) -> None:
+        fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+        for ax, run in zip(axes[0], runs, strict=True):
+            draw(ax, run)
+        save(fig, suffix)
+
+    def bound_curve(ax: Any, run: Json) -> None:
+        for sched, ph in run["phases"].items():
+            for scenario, style in (("drain", "--"), ("main", "-")):
+                series = (ph.get(scenario) or {}).get("rate_series") or []
+                total, ys = 0, []
+                for n in series:
+                    total += n
+                    ys.append(total)
+                if ys:
+                    what = "queue drain" if scenario == "drain" else "streamed"
+                    ax.plot(range(1, len(ys) + 1), ys, style, label=f"{sched}, {what}")
+        ax.set_title(f"{run['nodes']} nodes, {run['pods']} pods")
+        ax.set_xlabel("seconds since scheduler start (drain) / first create (streamed)")
+        ax.set_ylabel("pods bound")
+        ax.legend()
+
+    def latency_cdf(ax: Any, run: Json) -> None:
+        for sched, ph in run["phases"].items():
+            cdf = (ph.get("main") or {}).get("latency_cdf_ms") or []
+            if cdf:
+                ax.plot(cdf, range(len(cdf)), label=sched)
+        ax.set_xscale("log")
+        ax.set_title(f"{run['nodes']} nodes: create → bound")
+        ax.set_xlabel("latency (ms)")
+        ax.set_ylabel("percentile")
+        ax.legend()
+
+    each_run(bound_curve, "throughput")
+    each_run(latency_cdf, "latency")
+
+    if len(runs) > 1:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        for sched in (TESSERA, STOCK):
+            xs = [r["nodes"] for r in runs if sched in r["phases"]]
+            main = [r["phases"][sched].get("main") or {} for r in runs if sched in r["phases"]]
+            if not xs:
+                continue
+            a1.plot(xs, [m.get("throughput_pods_per_s") or 0 for m in main], "o-", label=sched)
+            a2.plot(
+                xs,
+                [(m.get("latency_ms") or {}).get("p99_ms") or 0 for m in main],
+                "o-",
+                label=sched,
+            )
+        for ax, what in ((a1, "pods/s"), (a2, "p99 create → bound (ms)")):
+            ax.set_xscale("log")
+            ax.set_xlabel("nodes")
+            ax.set_ylabel(what)
+            ax.legend()
+        a1.set_title("throughput vs. cluster size")
+        a2.set_title("p99 latency vs. cluster size")
+        save(fig, "scaling")
+
+    first = runs[0]
+    bursts = {
+        (sched, b["label"]): b.get("all_bound_s")
+        for sched, ph in first["phases"].items()
+        for b in ph.get("node_concurrency") or []
+    }
+    if bursts:
+        labels = sorted({label for _, label in bursts})
+        scheds = list(first["phases"])
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / max(1, len(scheds))
+        for i, sched in enumerate(scheds):
+            ax.bar(
+                [j + i * width for j in range(len(labels))],
+                [bursts.get((sched, lab)) or 0 for lab in labels],
+                width,
+                label=sched,
+            )
+        ax.set_xticks([j + width * (len(scheds) - 1) / 2 for j in range(len(labels))], labels)
+        ax.set_ylabel("seconds until all bound")
+        ax.set_title(f"pods aimed at one node ({first['nodes']}-node cluster)")
+        ax.legend()
+        save(fig, "concurrency")
+    return written
+
+
+# Writing --------------------------------------------------------------------------------------
+
+
+def write_report(result: Json, out_dir: Path, name: str, *, with_plots: bool = True) -> list[Path]:
+    """``<name>.json``, ``<name>.md`` and the plots under ``out_dir``; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full = {**result, "targets": [t.to_json() for t in targets(result)]}
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps(full, indent=1, sort_keys=False) + "\n")
+    pngs = plots(result, out_dir, name) if with_plots else []
+    md_path = out_dir / f"{name}.md"
+    md_path.write_text(markdown(result, [str(p) for p in pngs]))
+    return [json_path, md_path, *pngs]

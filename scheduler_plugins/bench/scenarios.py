@@ -1,0 +1,223 @@
+"""What the scenarios need besides batches: which nodes the node-concurrency bursts aim at,
+which pods churn ends and how, why pods stayed pending, and the closing invariant check."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from scheduler_plugins import annotations as ann
+from scheduler_plugins.bench.batches import BATCH_LABEL, PODS_PATH
+from scheduler_plugins.bench.workload import (
+    BenchPod,
+    distinct_count_burst,
+    fractional_burst,
+    mig_burst,
+)
+from scheduler_plugins.check import CheckReport, check_cluster
+from scheduler_plugins.errors import TesseraError
+from scheduler_plugins.kube.client import KubeClient
+from scheduler_plugins.kube.errors import ApiError, KubeError, NotFoundError
+from scheduler_plugins.node_register import GpuDevice, decode
+
+CHECK_RETRY_S: Final = 5.0
+RUNNING_WAIT_S: Final = 60.0
+JSON_PATCH: Final = "application/json-patch+json"
+TEST_FAILED: Final = 422  # a JSON patch "test" op that does not hold
+
+Json = dict[str, Any]
+
+
+def registers(api: KubeClient, names: Iterable[str]) -> dict[str, tuple[GpuDevice, ...]]:
+    """Each node's registered GPUs by index (from ``hami.io/node-nvidia-register``)."""
+    wanted = set(names)
+    out: dict[str, tuple[GpuDevice, ...]] = {}
+    for node in api.list("/api/v1/nodes").get("items") or []:
+        name = str(node["metadata"]["name"])
+        raw = (node["metadata"].get("annotations") or {}).get(ann.NODE_REGISTER)
+        if name in wanted and raw:
+            out[name] = tuple(sorted(decode(raw, obj=f"node {name}"), key=lambda d: d.index))
+    return out
+
+
+def concurrency_bursts(
+    regs: Mapping[str, tuple[GpuDevice, ...]],
+) -> list[tuple[str, str, tuple[BenchPod, ...]]]:
+    """(label, what, pods) of the node-concurrency bursts the cluster has nodes for."""
+
+    def nodes(mode: str) -> list[str]:
+        return sorted(
+            n
+            for n, devs in regs.items()
+            if devs and devs[0].mode == mode and "A100" in devs[0].type and "40GB" in devs[0].type
+        )
+
+    out: list[tuple[str, str, tuple[BenchPod, ...]]] = []
+    mig = nodes("mig")
+    core = nodes("hami-core")
+    if mig:
+        gpu = regs[mig[0]][0]
+        out.append(
+            (
+                "mig-7x1g",
+                f"7 MIG 1g.5gb pods on one A100-40GB ({mig[0]} GPU 0)",
+                _pin_uuid(mig_burst(mig[0]), gpu.id),
+            )
+        )
+    if core:
+        gpu = regs[core[0]][0]
+        out.append(
+            (
+                "fractional-10x",
+                f"10 equal hami-core shares of one GPU ({core[0]} GPU 0)",
+                fractional_burst(core[0], gpu.id),
+            )
+        )
+    if len(core) > 1:
+        count = len(regs[core[1]])
+        out.append(
+            (
+                "distinct-counts",
+                f"{count} pods asking 1..{count} GPUs on one node ({core[1]})",
+                distinct_count_burst(core[1], count),
+            )
+        )
+    return out
+
+
+def _pin_uuid(pods: tuple[BenchPod, ...], uuid: str) -> tuple[BenchPod, ...]:
+    return tuple(dataclasses.replace(p, gpu_uuid=uuid) for p in pods)
+
+
+def churn_pods(bound: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(to delete, to mark Succeeded): ``fraction`` of ``bound``, split in halves."""
+    k = int(len(bound) * fraction)
+    chosen = random.Random(seed).sample(sorted(bound), k)
+    return chosen[: k // 2], chosen[k // 2 :]
+
+
+@dataclass
+class Ended:
+    """What ``end_pods`` did."""
+
+    deleted: int = 0
+    succeeded: int = 0
+    deleted_instead: int = 0  # never Running in time: deleted rather than marked Succeeded
+    errors: list[str] = field(default_factory=list)
+
+
+def end_pods(
+    api: KubeClient,
+    delete: Sequence[str],
+    succeed: Sequence[str],
+    workers: int,
+    *,
+    running_wait_s: float = RUNNING_WAIT_S,
+) -> Ended:
+    """Delete (grace 0) and mark Succeeded, in parallel.
+
+    A pod is marked Succeeded only once it is Running (a test in the patch): kwok makes a
+    bound pod Running from what it saw, so a pod marked Succeeded before that would be set
+    back to Running and hold its devices again, which no kubelet does. A pod still not
+    Running after ``running_wait_s`` is deleted instead.
+    """
+    done = Ended()
+    lock = threading.Lock()
+    body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
+    to_succeeded = [
+        {"op": "test", "path": "/status/phase", "value": "Running"},
+        {"op": "replace", "path": "/status/phase", "value": "Succeeded"},
+    ]
+
+    def count(field_name: str) -> None:
+        with lock:
+            setattr(done, field_name, getattr(done, field_name) + 1)
+
+    def one(item: tuple[str, str]) -> None:
+        how, name = item
+        path = f"{PODS_PATH}/{name}"
+        try:
+            if how == "succeed":
+                deadline = time.monotonic() + running_wait_s
+                while True:
+                    try:
+                        api.request(
+                            "PATCH", f"{path}/status", to_succeeded, content_type=JSON_PATCH
+                        )
+                        count("succeeded")
+                        return
+                    except ApiError as e:
+                        if e.status != TEST_FAILED:
+                            raise
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
+                count("deleted_instead")
+            api.request("DELETE", path, body)
+            if how == "delete":
+                count("deleted")
+        except NotFoundError:
+            pass
+        except KubeError as e:
+            with lock:
+                done.errors.append(f"{how} {name}: {e}")
+
+    items = [("delete", n) for n in delete] + [("succeed", n) for n in succeed]
+    random.Random(len(items)).shuffle(items)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(one, items))
+    return done
+
+
+def pending_reasons(api: KubeClient, label: str, limit: int = 5) -> dict[str, int]:
+    """The most common PodScheduled messages of the batch's unbound pods (shortened)."""
+    answer = api.list(
+        PODS_PATH, label_selector=f"{BATCH_LABEL}={label}", field_selector="spec.nodeName="
+    )
+    reasons: Counter[str] = Counter()
+    for pod in answer.get("items") or []:
+        cond = next(
+            (
+                c
+                for c in (pod.get("status") or {}).get("conditions") or []
+                if c.get("type") == "PodScheduled"
+            ),
+            None,
+        )
+        message = str((cond or {}).get("message") or "(no PodScheduled condition yet)")
+        reasons[message[:200]] += 1
+    return dict(reasons.most_common(limit))
+
+
+def run_check(api: KubeClient, sim_state: Path | None) -> Json:
+    """``check_cluster``, once more after a pause if the first snapshot caught pods in flight."""
+    try:
+        report: CheckReport = check_cluster(api, sim_state=sim_state)
+        attempts = 1
+        if not report.ok:
+            time.sleep(CHECK_RETRY_S)
+            report = check_cluster(api, sim_state=sim_state)
+            attempts = 2
+    except TesseraError as e:
+        return {"ok": False, "attempts": 1, "summary": f"check failed: {e}", "violations": []}
+    return {
+        "ok": report.ok,
+        "attempts": attempts,
+        "summary": report.summary().splitlines()[0],
+        "violations": [str(v) for v in report.violations[:20]],
+        "violation_count": len(report.violations),
+        "by_kind": report.by_kind(),
+        "nodes": report.nodes,
+        "pods": report.pods,
+        "gpu_pods": report.gpu_pods,
+        "mig_instances": report.mig_instances,
+        "sim_instances": report.sim_instances,
+    }

@@ -1,0 +1,107 @@
+"""``tessera bench`` end to end, tiny: both schedulers on fresh 20-node kwok clusters, every
+scenario, the invariant check, the JSON, Markdown and PNG report; nothing left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from scheduler_plugins.devcluster import processes
+
+NODES: Final = 20
+PODS: Final = 80
+TIMEOUT_S: Final = 300  # typically 2 minutes on a quiet 2-core machine
+PNG_MAGIC: Final = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_runs_both_schedulers_and_reports(
+    built_tools: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    base = tmp_path_factory.mktemp("b")  # short: the plugin server's socket path lives here
+    out, work = base / "out", base / "w"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_plugins.cli",
+            "bench",
+            f"--nodes={NODES}",
+            f"--pods={PODS}",
+            "--settle=15",
+            "--churn=0.25",
+            f"--output-dir={out}",
+            f"--work-dir={work}",
+            "--name=tiny",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == [
+        str(out / n)
+        for n in (
+            "tiny.json",
+            "tiny.md",
+            "tiny-throughput.png",
+            "tiny-latency.png",
+            "tiny-concurrency.png",
+        )
+    ]
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == PNG_MAGIC, png
+
+    result = json.loads((out / "tiny.json").read_text())
+    (run,) = result["runs"]
+    assert (run["nodes"], run["pods"]) == (NODES, PODS)
+    assert set(run["phases"]) == {"tessera", "stock"}
+    for name, phase in run["phases"].items():
+        assert "error" not in phase, phase["error"]
+        drain, main = phase["drain"], phase["main"]
+        assert drain["created"] + main["created"] == PODS, name  # --drain 0.5 by default
+        assert drain["created"] == PODS // 2
+        for scenario in (drain, main):
+            assert scenario["bound"] >= scenario["pods"] * 0.9, (name, scenario)
+        assert drain["drain_pods_per_s"] > 0 and drain["api_requests"], (name, drain)
+        assert main["throughput_pods_per_s"] > 0 and main["latency_ms"]["p99_ms"] > 0
+        assert {c for c in phase["components"]} >= {"kube-apiserver", "etcd", "bench-client"}
+        assert [b["label"] for b in phase["node_concurrency"]] == [
+            "mig-7x1g",
+            "fractional-10x",
+            "distinct-counts",
+        ]
+        for burst in phase["node_concurrency"]:
+            assert burst["bound"] == burst["pods"], (name, burst)
+            assert len(burst["nodes"]) == 1, (name, burst)
+        churn = phase["churn"]
+        ended = churn["deleted"] + churn["succeeded"] + churn["deleted_instead"]
+        assert ended == churn["pods"] > 0, churn
+        assert not churn["end_errors"]
+
+    tessera = run["phases"]["tessera"]
+    assert tessera["check"]["ok"], tessera["check"]
+    assert tessera["check"]["sim_instances"] == tessera["check"]["mig_instances"]
+    assert {"plugin-server", "tessera-scheduler", "node-agent"} <= set(tessera["components"])
+    assert tessera["components"]["plugin-server"]["peak_rss_mib"] > 0
+    assert tessera["main"]["allocated"] > 0
+    series = {(h["name"], h["labels"].get("method")) for h in tessera["plugin_rpc"]}
+    assert ("tessera_scheduler_decision_duration_seconds", None) in series
+    assert ("tessera_scheduler_rpc_duration_seconds", "PreFilter") in series
+    assert run["phases"]["stock"]["check"] is None
+    assert run["ratio"]["throughput"] > 0
+
+    md = (out / "tiny.md").read_text()
+    assert "## Main workload" in md and "![tiny-throughput](tiny-throughput.png)" in md
+    left = [
+        pid
+        for exe_dir in (built_tools, Path(sys.executable).parent)
+        for pid in processes.find_strays(str(work), exe_dir)
+    ]
+    assert not left, f"benchmark processes left running: {left}"
