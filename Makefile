@@ -14,7 +14,7 @@ CLUSTER_NAME ?= tessera
 NODES ?= 0
 PROFILE ?= examples/cluster-profile.yaml
 
-.PHONY: setup demo simulate test lint typecheck unit go-test integration bench tools cluster-up cluster-down cluster-status
+.PHONY: setup demo simulate test lint typecheck unit go-test integration bench bench-cluster tools cluster-up cluster-down cluster-status
 
 ## setup: Python virtualenv with Tessera and its dev tools (re-run when pyproject.toml changes)
 setup: $(STAMP)
@@ -56,6 +56,12 @@ integration: setup tools
 bench: setup
 	$(PYTHON) -m benchmarks.placement_quality
 	$(PYTHON) -m benchmarks.decision_latency
+
+## bench-cluster: Tessera vs the stock kube-scheduler on a kwok cluster (NODES=1000 PODS=10000)
+NODES ?= 1000
+PODS ?= 10000
+bench-cluster: setup tools
+	$(VENV)/bin/tessera bench --nodes $(NODES) --pods $(PODS)
 
 ## tools: build etcd, kube-apiserver, kube-scheduler, kubectl, kwok, helm, jaeger and tessera-scheduler into $(BIN_DIR) (cached)
 tools:
