@@ -57,11 +57,11 @@ bench: setup
 	$(PYTHON) -m benchmarks.placement_quality
 	$(PYTHON) -m benchmarks.decision_latency
 
-## bench-cluster: Tessera vs the stock kube-scheduler on a kwok cluster (NODES=1000 PODS=10000)
-NODES ?= 1000
-PODS ?= 10000
+## bench-cluster: Tessera vs the stock kube-scheduler on a kwok cluster (BENCH_NODES=1000 BENCH_PODS=10000)
+BENCH_NODES ?= 1000
+BENCH_PODS ?= 10000
 bench-cluster: setup tools
-	$(VENV)/bin/tessera bench --nodes $(NODES) --pods $(PODS)
+	$(VENV)/bin/tessera bench --nodes $(BENCH_NODES) --pods $(BENCH_PODS)
 
 ## tools: build etcd, kube-apiserver, kube-scheduler, kubectl, kwok, helm, jaeger and tessera-scheduler into $(BIN_DIR) (cached)
 tools:
