@@ -454,7 +454,12 @@ def test_cli_runs_a_simulated_node_and_stops_on_sigterm(
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        conn = kubelet.next_connection()
+        try:
+            conn = kubelet.next_connection()
+        except BaseException:
+            proc.kill()
+            print(proc.communicate(timeout=WAIT_S)[0].decode()[-3000:])
+            raise
         assert len(conn.next_update()) == 20
         assert len(registered(api, shared_node)) == 2
         assert (plugin_dir / "tessera-gpu.sock").exists()
