@@ -19,6 +19,7 @@ TESSERA: Final = "tessera"
 STOCK: Final = "stock"
 MIB_PER_GIB: Final = 1024
 DECISION_METRIC: Final = "tessera_scheduler_decision_duration_seconds"
+COLORS: Final = {TESSERA: "C0", STOCK: "C1"}
 
 
 @dataclass(frozen=True)
@@ -534,7 +535,13 @@ def plots(result: Json, out_dir: Path, name: str) -> list[Path]:
                     ys.append(total)
                 if ys:
                     what = "queue drain" if scenario == "drain" else "streamed"
-                    ax.plot(range(1, len(ys) + 1), ys, style, label=f"{sched}, {what}")
+                    ax.plot(
+                        range(1, len(ys) + 1),
+                        ys,
+                        style,
+                        color=COLORS.get(sched),
+                        label=f"{sched}, {what}",
+                    )
         ax.set_title(f"{run['nodes']} nodes, {run['pods']} pods")
         ax.set_xlabel("seconds since scheduler start (drain) / first create (streamed)")
         ax.set_ylabel("pods bound")
@@ -544,7 +551,7 @@ def plots(result: Json, out_dir: Path, name: str) -> list[Path]:
         for sched, ph in run["phases"].items():
             cdf = (ph.get("main") or {}).get("latency_cdf_ms") or []
             if cdf:
-                ax.plot(cdf, range(len(cdf)), label=sched)
+                ax.plot(cdf, range(len(cdf)), color=COLORS.get(sched), label=sched)
         ax.set_xscale("log")
         ax.set_title(f"{run['nodes']} nodes: create → bound")
         ax.set_xlabel("latency (ms)")

@@ -5,7 +5,8 @@ A fresh process tunes malloc as the plugin server does, builds the server's ``Cl
 from the objects its watches would deliver — the benchmark's fake nodes, then its pods, each
 placed by the scheduling core (``decide`` + ``plan_for``) and written as bound with the
 annotations PreBind and the node agent leave (``bind-phase: success``) — and reports its RSS
-and the time of further decisions on the full state. It is the server's state and core
+and the time of further decisions on the full state (``decide`` + best node + its plan, as
+``benchmarks/decision_latency.py`` times them). It is the server's state and core
 without gRPC, the watch threads and the apiserver: a floor under the real process's RSS,
 which the cluster phases measure directly (at sizes this machine can run).
 """
@@ -90,7 +91,9 @@ def measure(
         request = parse_request(tessera_manifest(pod, namespace=NAMESPACE, labels={}), config)
         t = time.perf_counter()
         decision = decide(cache.state, request)
-        decision.best_node()
+        best = decision.best_node()
+        if best is not None:
+            decision.plan_for(best)  # what Reserve asks of the same decision
         seconds.append(time.perf_counter() - t)
     summary = stats.summarize_seconds(seconds)
     if start is None or loaded is None:

@@ -343,6 +343,12 @@ class ClusterCache:
             if self._claims.pop(key, None) is not None:
                 self._notify()
 
+    def bound_to(self, key: str) -> str | None:
+        """The node the watch last showed pod ``key`` bound to (None: unbound or unseen)."""
+        with self.lock:
+            seen = self._pod_seen.get(key)
+            return str(seen[1]) if seen is not None and seen[1] else None
+
     def allocating(self, node: str) -> dict[str, Mapping[str, str]]:
         """Pods allocating on ``node`` (watched or claimed): key -> annotations."""
         with self.lock:

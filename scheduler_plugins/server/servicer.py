@@ -248,6 +248,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         self._check_ready()
         ident, key = _ident(request.pod)
+        self._refuse_bound(key)
         self._settle_unsure(key)
         node = request.node
         with self._tracing.span("reserve"), self._cache.lock:
@@ -347,6 +348,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.PreBindResponse(annotations=annotations)
 
     # ----- helpers -----------------------------------------------------------------------
+
+    def _refuse_bound(self, key: str) -> None:
+        """A pod the watch shows bound is not reserved or annotated again: the scheduler
+        can retry one whose Bind answer it lost (the apiserver went away) before its own
+        watch shows the bind, and a second reservation would replace the pod's real one."""
+        node = self._cache.bound_to(key)
+        if node is not None:
+            _abort(
+                grpc.StatusCode.ABORTED,
+                f"pod {key} is bound to node {node} already (an earlier bind went through)",
+            )
 
     def _settle_unsure(self, key: str) -> None:
         """Before a pod is reserved again: if an earlier bind of it may have gone through

@@ -466,6 +466,23 @@ def test_a_pod_whose_bind_went_through_is_not_reserved_again(h: Harness) -> None
     assert h.cache.state.allocation("default/p") == before
 
 
+def test_a_pod_the_watch_shows_bound_is_not_reserved_again(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    written = dict(h.prebind("p", "n").annotations)
+    bound = json.loads(json.dumps(pod))
+    bound["metadata"]["annotations"].update(written)
+    bound["spec"]["nodeName"] = "n"
+    h.cache.apply_pod(bound)  # the bind went through; the scheduler did not hear of it
+    before = h.cache.state.allocation("default/p")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    with pytest.raises(grpc.RpcError) as e:
+        h.schedule(pod, "n")
+    assert _code(e) == grpc.StatusCode.ABORTED and "bound to node n already" in _details(e)
+    assert before is not None and h.cache.state.allocation("default/p") == before
+
+
 def test_a_pod_whose_bind_did_not_go_through_is_reserved_again_cleanly(h: Harness) -> None:
     h.cache.apply_node(node_obj("n", gpu("GPU-1")))
     pod = make_pod("p").gpu(1, mem=1000).build()
