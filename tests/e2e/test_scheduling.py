@@ -250,8 +250,12 @@ def _settle(
         ]
         bound = frozenset(n for n in names if n in pods and node_of(pods[n]))
         now = time.monotonic()
-        if open_ or bound != state["bound"]:
-            state["since"] = None if open_ else now
+        if open_:
+            state["since"] = None
+        elif state["since"] is None or bound != state["bound"]:
+            # (again) all settled: the quiet period starts. The last change may be a bind
+            # phase (bound set unchanged), so "settled now" alone must start it too.
+            state["since"] = now
         state.update(pods=pods, events=events, open=open_, bound=bound)
         return state["since"] is not None and now - state["since"] >= QUIET_S
 
