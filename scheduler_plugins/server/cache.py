@@ -8,6 +8,9 @@ Owns three overlays on what the API shows:
   the patch is decided until the watch shows it bound there, so a second PreBind cannot slip
   in before then; an unbound pod's bind annotations alone block nothing (they may be left
   over from an attempt that never bound);
+- *in flight*: pods reserved, claimed or allocating on a node, with the device counts their
+  remaining containers ask; ``busy_nodes`` names the nodes where a new pod would have to wait
+  for the node agent (``pod_matching.ambiguous``), so the scheduler can prefer others;
 - a *generation* that changes with every change that can alter a decision, so a cached
   Decision is used only while it is still exact.
 
@@ -18,6 +21,7 @@ changes neither is not parsed again.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -27,7 +31,7 @@ from typing import Any, cast
 
 import structlog
 
-from node_agent.pod_matching import ambiguous, is_candidate
+from node_agent.pod_matching import ambiguous, is_candidate, to_allocate
 from scheduler_plugins import annotations as ann
 from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.errors import InvalidInputError
@@ -70,6 +74,22 @@ class Claim:
 class _Assumed:
     node: str
     at: float
+    counts: frozenset[int] | None  # device counts of its GPU containers (None: any)
+
+
+@functools.lru_cache(maxsize=4096)
+def _remaining_counts(to_allocate_raw: str) -> frozenset[int] | None:
+    """Device counts of the containers still to allocate (None: unreadable, so any)."""
+    try:
+        return frozenset(
+            len(c) for c in to_allocate({ann.DEVICES_TO_ALLOCATE: to_allocate_raw}) if c
+        )
+    except InvalidInputError:
+        return None
+
+
+def _clash(counts: frozenset[int] | None, wanted: frozenset[int]) -> bool:
+    return counts is None or not counts.isdisjoint(wanted)
 
 
 class ClusterCache:
@@ -304,11 +324,13 @@ class ClusterCache:
 
     # ----- reservations ------------------------------------------------------------------
 
-    def assume(self, alloc: PodAllocation) -> None:
+    def assume(self, alloc: PodAllocation, counts: frozenset[int] | None = None) -> None:
+        """Count ``alloc`` at once; ``counts`` are the device counts of the pod's GPU
+        containers (for ``busy_nodes``; None: it clashes with any pod until PreBind)."""
         with self.lock:
             self._mutating()
             self.state.assume(alloc)
-            self._assumed[alloc.key] = _Assumed(alloc.node, self._clock())
+            self._assumed[alloc.key] = _Assumed(alloc.node, self._clock(), counts)
 
     def forget(self, key: str) -> bool:
         """Drop an assumed reservation (idempotent); a confirmed one stays."""
@@ -330,6 +352,34 @@ class ClusterCache:
                     others[k] = c.annotations
             others.pop(key, None)
             return sorted(k for k, a in others.items() if ambiguous(a, annotations))
+
+    def busy_nodes(self, counts: frozenset[int]) -> set[str]:
+        """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
+        PreBind: a pod reserved, claimed or allocating there has a container still to
+        allocate that asks one of those counts. Cheap: only pods in flight are looked at."""
+        if not counts:
+            return set()
+        with self.lock:
+            busy = {
+                a.node
+                for k, a in self._assumed.items()
+                if k not in self._claims and _clash(a.counts, counts)
+            }
+            busy.update(
+                c.node
+                for c in self._claims.values()
+                if c.node not in busy
+                and _clash(
+                    _remaining_counts(c.annotations.get(ann.DEVICES_TO_ALLOCATE, "")), counts
+                )
+            )
+            for node, pods in self._allocating.items():
+                if node not in busy and any(
+                    _clash(_remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), counts)
+                    for a in pods.values()
+                ):
+                    busy.add(node)
+            return busy
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
         with self.lock:

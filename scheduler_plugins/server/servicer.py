@@ -87,14 +87,30 @@ class _Reservation:
     patched: dict[str, str] | None = None  # what PreBind wrote, for Unreserve to take back
 
 
-def normalize_scores(desirability: npt.NDArray[np.float64]) -> list[int]:
-    """Higher is better, 0..100: the least desirable node 0, the most 100, all equal 100."""
+def normalize_scores(
+    desirability: npt.NDArray[np.float64], busy: npt.NDArray[np.bool_] | None = None
+) -> list[int]:
+    """Higher is better, 0..100: the least desirable node 0, the most 100, all equal 100.
+
+    ``busy`` nodes (the pod would wait there for the node agent to finish an ambiguous
+    pod) score 0 and the others 1..100 in their own order, unless every node is busy: then
+    waiting somewhere is unavoidable and desirability alone ranks them.
+    """
     if desirability.size == 0:
         return []
+    if busy is None or not busy.any() or busy.all():
+        return _scale(desirability, 0)
+    out = np.zeros(desirability.size, dtype=np.int64)
+    out[~busy] = _scale(desirability[~busy], 1)
+    return [int(v) for v in out.tolist()]
+
+
+def _scale(desirability: npt.NDArray[np.float64], lo_score: int) -> list[int]:
     lo, hi = float(desirability.min()), float(desirability.max())
     if hi - lo < 1e-9:
         return [100] * int(desirability.size)
-    return [int(v) for v in np.rint((desirability - lo) * 100.0 / (hi - lo)).tolist()]
+    span = 100.0 - lo_score
+    return [int(v) for v in np.rint(lo_score + (desirability - lo) * span / (hi - lo)).tolist()]
 
 
 def _pod_path(namespace: str, name: str) -> str:
@@ -214,7 +230,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
             names = [str(decision.layout.names[i]) for i in feasible.tolist()]
-            scores = normalize_scores(decision.desirability[feasible])
+            busy = self._busy_mask(req, names)
+            scores = normalize_scores(decision.desirability[feasible], busy)
             total = len(decision.layout.names) + len(decision.layout.gpu_less)
             why = explain(decision, self._cache.state) if len(names) < total else ""
             per_node = node_reasons(why) if why else ""
@@ -248,7 +265,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         self._check_ready()
         ident, key = _ident(request.pod)
-        self._refuse_bound(key)
         self._settle_unsure(key)
         node = request.node
         with self._tracing.span("reserve"), self._cache.lock:
@@ -265,12 +281,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     )
                 decision = core_decide(self._cache.state, req)
             _check_same_pod(decision.request.key, key, ident)
+            self._refuse_bound(key)
             plan = decision.plan_for(node)
             if plan is None:
                 _abort(grpc.StatusCode.ABORTED, _no_longer_fits(decision, key, node))
             req = decision.request
             alloc = plan.allocation(req.cpu_milli, req.memory_bytes)
-            self._cache.assume(alloc)
+            self._cache.assume(alloc, _device_counts(req))
             self._metrics.reserved(alloc.key)
             self._reservations[ident] = _Reservation(plan)
             self._reserved_as[key] = ident
@@ -348,6 +365,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.PreBindResponse(annotations=annotations)
 
     # ----- helpers -----------------------------------------------------------------------
+
+    def _busy_mask(self, req: PodRequest, names: list[str]) -> npt.NDArray[np.bool_] | None:
+        """Which feasible nodes are busy for ``req``: PreBind would wait there until the node
+        agent has finished a pod it could not tell from this one. Scoring them last spreads
+        a burst over node agents instead of queueing it behind one (binpack order holds
+        among the others; with every node busy nothing changes)."""
+        if not names:
+            return None
+        busy = self._cache.busy_nodes(_device_counts(req))
+        if not busy:
+            return None
+        return np.fromiter((n in busy for n in names), dtype=np.bool_, count=len(names))
 
     def _refuse_bound(self, key: str) -> None:
         """A pod the watch shows bound is not reserved or annotated again: the scheduler
@@ -493,6 +522,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "plugin server is rebuilding its cluster state from the API; retry shortly",
             )
+
+
+def _device_counts(req: PodRequest) -> frozenset[int]:
+    """How many devices each GPU container asks: all the node agent can tell pods apart by."""
+    return frozenset(c.count for c in req.containers if c.count > 0)
 
 
 def _ident(ref: pb.PodRef) -> tuple[str, str]:

@@ -675,6 +675,80 @@ def test_own_claim_holds_until_the_pod_is_seen_bound(h_short_wait: Harness) -> N
     assert _code(e) == grpc.StatusCode.UNAVAILABLE and "default/p1" in _details(e)
 
 
+# ----- busy nodes: a burst spreads over node agents instead of queueing behind one ------------
+
+
+def _two_nodes_n1_fuller(h: Harness) -> None:
+    """n1 is the binpack choice (it already holds a pod); n2 is empty."""
+    h.cache.apply_node(node_obj("n1", gpu("GPU-10"), gpu("GPU-11", index=1)))
+    h.cache.apply_node(node_obj("n2", gpu("GPU-20"), gpu("GPU-21", index=1)))
+    h.cache.apply_pod(bound_pod("old", "n1", [[("GPU-10", 4000, 10)]]))
+
+
+def _scores(r: pb.PreFilterResponse) -> dict[str, int]:
+    return dict(zip(r.feasible_nodes, r.scores, strict=True))
+
+
+def test_scores_put_busy_nodes_last_and_keep_the_order_of_the_others() -> None:
+    import numpy as np
+
+    busy = np.array([True, False, False, False])
+    assert normalize_scores(np.array([9.0, -3.0, -1.0, 1.0]), busy) == [0, 1, 50, 100]
+    assert normalize_scores(np.array([9.0, 2.0]), np.array([True, False])) == [0, 100]
+    # every node busy: waiting is unavoidable, desirability alone ranks them
+    assert normalize_scores(np.array([1.0, 3.0]), np.array([True, True])) == [0, 100]
+    assert normalize_scores(np.array([1.0, 3.0]), np.array([False, False])) == [0, 100]
+
+
+@pytest.mark.parametrize("stage", ["reserved", "claimed", "allocating"])
+def test_a_node_busy_with_an_indistinguishable_pod_scores_last(h: Harness, stage: str) -> None:
+    _two_nodes_n1_fuller(h)
+    probe = make_pod("probe").gpu(1, mem=1000).build()
+    assert _scores(h.prefilter(probe)) == {"n1": 100, "n2": 0}  # binpack
+    if stage == "allocating":
+        h.cache.apply_pod(_allocating("q", "n1", [("GPU-11", 1000, 0)]))
+    else:
+        h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
+        if stage == "claimed":
+            h.prebind("q", "n1")
+    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 0, "n2": 100}
+
+
+def test_a_busy_node_is_still_first_for_a_pod_the_agent_can_tell_apart(h: Harness) -> None:
+    _two_nodes_n1_fuller(h)
+    h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
+    h.prebind("q", "n1")
+    r = h.prefilter(make_pod("two").gpu(2, mem=1000).build())
+    assert _scores(r) == {"n1": 100, "n2": 0}
+
+
+def test_a_node_is_no_longer_busy_once_its_agent_has_allocated(h: Harness) -> None:
+    _two_nodes_n1_fuller(h)
+    q = _allocating("q", "n1", [("GPU-11", 1000, 0)])
+    h.cache.apply_pod(q)
+    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 0, "n2": 100}
+    q["metadata"]["annotations"][ann.BIND_PHASE] = "success"
+    q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
+    h.cache.apply_pod(q)
+    assert _scores(h.prefilter(make_pod("p2").gpu(1, mem=1000).build())) == {"n1": 100, "n2": 0}
+
+
+def test_unreserve_frees_the_node_for_the_next_pod(h: Harness) -> None:
+    _two_nodes_n1_fuller(h)
+    h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("q"), node="n1"))
+    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 100, "n2": 0}
+
+
+def test_unreadable_allocating_annotations_make_the_node_busy_for_everyone(h: Harness) -> None:
+    _two_nodes_n1_fuller(h)
+    q = _allocating("q", "n1", [("GPU-11", 1000, 0)])
+    q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = "not a device list"
+    h.cache.apply_pod(q)
+    r = h.prefilter(make_pod("p").gpu(2, mem=1000).build())
+    assert _scores(r) == {"n1": 0, "n2": 100}
+
+
 # ----- cache ----------------------------------------------------------------------------------
 
 
