@@ -10,8 +10,10 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/component-base/cli"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app"
+	"k8s.io/kubernetes/pkg/features"
 
 	"tessera/sidecar-go/pkg/tessera"
 	"tessera/sidecar-go/pkg/tracing"
@@ -27,7 +29,18 @@ func main() {
 	os.Exit(run())
 }
 
+// defaultGates are Tessera's feature-gate defaults; --feature-gates still overrides them.
+// NominatedNodeNameForExpectation (beta, on upstream) makes kube-scheduler write a pod's
+// nominatedNodeName before every PreBind that does work: for Tessera, whose PreBind is one
+// annotation patch, that is an extra pod status write per GPU pod (about a fifth of the
+// apiserver's work in a burst) that only matters for binds that take long.
+var defaultGates = map[string]bool{string(features.NominatedNodeNameForExpectation): false}
+
 func run() int {
+	if err := utilfeature.DefaultMutableFeatureGate.SetFromMap(defaultGates); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: feature gates: %v\n", serviceName, err)
+		return 1
+	}
 	sdk, err := tracing.FromEnv(context.Background(), serviceName)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "%s: tracing: %v\n", serviceName, err)

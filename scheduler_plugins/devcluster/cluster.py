@@ -49,6 +49,7 @@ APISERVER: Final = "kube-apiserver"
 KWOK: Final = "kwok"
 COMPONENTS: Final = (ETCD, APISERVER, KWOK)  # start order
 KWOK_NODE_ANNOTATION: Final = "kwok.x-k8s.io/node"
+PROFILING_ENV: Final = "TESSERA_APISERVER_PROFILING"  # 1: serve /debug/pprof (diagnostics)
 KWOK_STAGES: Final = (
     "node-initialize.yaml",
     "node-heartbeat-with-lease.yaml",
@@ -345,7 +346,8 @@ class Cluster:
             # not-ready taint that TaintNodesByCondition puts on every new node.
             "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
             "--allow-privileged=true",
-            "--profiling=false",
+            # /debug/pprof only when asked (diagnosing apiserver load, e.g. in benchmarks).
+            f"--profiling={'true' if os.environ.get(PROFILING_ENV) == '1' else 'false'}",
         ]
 
     def _kwok_argv(self) -> list[str]:

@@ -41,6 +41,7 @@ MERGE_PATCH: Final = "application/merge-patch+json"
 APPLY_PATCH: Final = "application/apply-patch+yaml"
 TABLE: Final = "application/json;as=Table;v=v1;g=meta.k8s.io"
 FIELD_MANAGER: Final = "tessera"
+MAX_IDLE_CONNECTIONS: Final = 8  # kept open between requests, shared by all threads
 
 SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -101,9 +102,11 @@ class KubeClient:
         except (OSError, ssl.SSLError) as e:
             where = ca_file or "inline CA"
             raise KubeConfigError(f"cannot load TLS material ({where}): {e}") from e
-        self._local = threading.local()
+        # Keep-alive connections shared by all threads: a request takes an idle one (or
+        # opens one) and gives it back, so handshakes follow concurrency, not thread count.
         self._lock = threading.Lock()
-        self._conns: list[http.client.HTTPSConnection] = []
+        self._idle: list[http.client.HTTPSConnection] = []
+        self._conns: set[http.client.HTTPSConnection] = set()  # every open one, for close()
 
     # Construction --------------------------------------------------------------------------
 
@@ -329,7 +332,7 @@ class KubeClient:
 
     def close(self) -> None:
         with self._lock:
-            conns, self._conns = self._conns, []
+            conns, self._conns, self._idle = self._conns, set(), []
         for c in conns:
             c.close()
 
@@ -349,16 +352,29 @@ class KubeClient:
             headers["Accept"] = accept
         return headers
 
-    def _conn(self) -> http.client.HTTPSConnection:
-        conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._timeout_s, context=self._ssl
-            )
-            self._local.conn = conn
-            with self._lock:
-                self._conns.append(conn)
+    def _checkout(self) -> http.client.HTTPSConnection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        conn = http.client.HTTPSConnection(
+            self._host, self._port, timeout=self._timeout_s, context=self._ssl
+        )
+        with self._lock:
+            self._conns.add(conn)
         return conn
+
+    def _checkin(self, conn: http.client.HTTPSConnection) -> None:
+        with self._lock:
+            if conn in self._conns and len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+            self._conns.discard(conn)
+        conn.close()
+
+    def _discard(self, conn: http.client.HTTPSConnection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        conn.close()
 
     def _send(
         self,
@@ -371,17 +387,23 @@ class KubeClient:
     ) -> tuple[int, bytes]:
         # One retry on a fresh connection: the server may have closed an idle keep-alive one.
         for attempt in (0, 1):
-            conn = self._conn()
+            conn = self._checkout()
             try:
                 conn.request(method, path, body=payload, headers=headers)
                 resp = conn.getresponse()
-                return resp.status, resp.read()
+                data = resp.read()
             except (OSError, http.client.HTTPException) as e:
-                conn.close()
+                self._discard(conn)
                 if attempt == 1 or not retry or isinstance(e, ssl.SSLCertVerificationError):
                     raise UnreachableError(
                         f"{method} {self.server}{path} failed: {e!r}; is the apiserver up?"
                     ) from e
+                continue
+            if resp.will_close:
+                self._discard(conn)
+            else:
+                self._checkin(conn)
+            return resp.status, data
         raise AssertionError("unreachable")
 
 

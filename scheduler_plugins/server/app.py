@@ -100,7 +100,7 @@ class PluginServer:
         prebind_wait_s: float = 30.0,
         watch_timeout_s: int = 60,
         event_interval_s: float = 60.0,
-        workers: int = 128,
+        workers: int = 512,
         backoff: Backoff = DEFAULT_BACKOFF,
         tracing: Tracing | None = None,
         metrics_address: str | None = None,
@@ -134,7 +134,9 @@ class PluginServer:
             self.watches.ready,
             events=self.events,
             prebind_wait_s=prebind_wait_s,
-            # Parked PreBinds only wait on a condition; keep some workers for PreFilter & co.
+            # Parked PreBinds only wait on their node's condition (a thread each, mostly an
+            # untouched stack); keep some workers for PreFilter & co. A queue drain of
+            # thousands of pods parks hundreds: a cap too low turns waits into retries.
             max_prebind_waiters=max(1, workers - 16),
             tracing=tracing,
             metrics=metrics,

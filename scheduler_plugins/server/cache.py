@@ -25,13 +25,14 @@ import functools
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
 
-from node_agent.pod_matching import ambiguous, is_candidate, to_allocate
+from node_agent.pod_matching import is_candidate, to_allocate
 from scheduler_plugins import annotations as ann
 from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.errors import InvalidInputError
@@ -111,6 +112,10 @@ class ClusterCache:
         self._allocating: dict[str, dict[str, Mapping[str, str]]] = {}
         self._allocating_node: dict[str, str] = {}
         self._claims: dict[str, Claim] = {}
+        self._claims_on: dict[str, dict[str, Claim]] = {}  # node -> pod key -> claim
+        # PreBinds waiting for a node wait on its own condition: a change on one node wakes
+        # only the binds waiting there, not every waiter of the cluster.
+        self._node_changed: dict[str, threading.Condition] = {}
         self._assumed: dict[str, _Assumed] = {}
 
     # ----- change tracking ---------------------------------------------------------------
@@ -135,13 +140,21 @@ class ClusterCache:
         for cb in self._listeners:
             cb()
 
-    def wait_changed(self, timeout_s: float) -> None:
-        """Block (releasing the lock) until a pod or claim changes, or ``timeout_s`` passes."""
-        with self._changed:
-            self._changed.wait(max(timeout_s, 0.0))
+    def wait_changed(self, timeout_s: float, node: str | None = None) -> None:
+        """Block (releasing the lock) until a pod or claim changes (on ``node``, when
+        given), or ``timeout_s`` passes."""
+        with self.lock:
+            cond = self._changed
+            if node is not None:
+                cond = self._node_changed.setdefault(node, threading.Condition(self.lock))
+            cond.wait(max(timeout_s, 0.0))
 
-    def _notify(self) -> None:
+    def _notify(self, *nodes: str | None) -> None:
         self._changed.notify_all()
+        for node in nodes:
+            cond = self._node_changed.get(node) if node else None
+            if cond is not None:
+                cond.notify_all()
 
     # ----- nodes -------------------------------------------------------------------------
 
@@ -258,12 +271,7 @@ class ClusterCache:
     def _track_allocating(
         self, pod: Obj, key: str, node: str, annotations: Mapping[str, str]
     ) -> None:
-        before = self._allocating_node.pop(key, None)
-        if before is not None:
-            per_node = self._allocating.get(before, {})
-            per_node.pop(key, None)
-            if not per_node:
-                self._allocating.pop(before, None)
+        before = self._drop_allocating(key)
         # Only a pod bound to the node is allocating there: the node agent sees no other. An
         # unbound pod's bind annotations are either this server's PreBind waiting for its
         # Bind (its claim stands for it) or left over from an attempt that never bound (a
@@ -279,8 +287,27 @@ class ClusterCache:
             and bound
             and _carries(annotations, claim.annotations)
         ):
-            del self._claims[key]  # the watch shows it bound with our patch
-        self._notify()
+            self._drop_claim(key)  # the watch shows it bound with our patch
+        if before is not None or key in self._allocating.get(node, ()) or claim is not None:
+            self._notify(before, node, claim.node if claim is not None else None)
+
+    def _drop_allocating(self, key: str) -> str | None:
+        node = self._allocating_node.pop(key, None)
+        if node is not None:
+            per_node = self._allocating.get(node, {})
+            per_node.pop(key, None)
+            if not per_node:
+                self._allocating.pop(node, None)
+        return node
+
+    def _drop_claim(self, key: str) -> Claim | None:
+        claim = self._claims.pop(key, None)
+        if claim is not None:
+            on = self._claims_on.get(claim.node, {})
+            on.pop(key, None)
+            if not on:
+                self._claims_on.pop(claim.node, None)
+        return claim
 
     def delete_pod(self, pod: Obj) -> None:
         self.forget_pod(pod_key(pod))
@@ -290,17 +317,12 @@ class ClusterCache:
             self._settled(key)
             self._pod_seen.pop(key, None)
             self._assumed.pop(key, None)
-            self._claims.pop(key, None)
-            node = self._allocating_node.pop(key, None)
-            if node is not None:
-                per_node = self._allocating.get(node, {})
-                per_node.pop(key, None)
-                if not per_node:
-                    self._allocating.pop(node, None)
+            claim = self._drop_claim(key)
+            node = self._drop_allocating(key)
             if self.state.allocation(key) is not None:
                 self._mutating()
                 self.state.remove_pod(key)
-            self._notify()
+            self._notify(node, claim.node if claim is not None else None)
 
     def replace_pods(self, pods: Iterable[Obj], listed_at: float) -> None:
         """A fresh list sent at ``listed_at``: apply every pod, drop those it lacks.
@@ -344,54 +366,63 @@ class ClusterCache:
     # ----- bind claims -------------------------------------------------------------------
 
     def blocking(self, node: str, key: str, annotations: Mapping[str, str]) -> list[str]:
-        """Pods allocating on ``node`` that the node agent could not tell from ``key``."""
+        """Pods allocating on ``node`` that the node agent could not tell from ``key``
+        (``pod_matching.ambiguous``, with the parsed counts cached)."""
         with self.lock:
-            others: dict[str, Mapping[str, str]] = dict(self._allocating.get(node, {}))
-            for k, c in self._claims.items():
-                if c.node == node:
-                    others[k] = c.annotations
+            others = self.allocating(node)
             others.pop(key, None)
-            return sorted(k for k, a in others.items() if ambiguous(a, annotations))
-
-    def busy_nodes(self, counts: frozenset[int]) -> set[str]:
-        """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
-        PreBind: a pod reserved, claimed or allocating there has a container still to
-        allocate that asks one of those counts. Cheap: only pods in flight are looked at."""
-        if not counts:
-            return set()
-        with self.lock:
-            busy = {
-                a.node
-                for k, a in self._assumed.items()
-                if k not in self._claims and _clash(a.counts, counts)
-            }
-            busy.update(
-                c.node
-                for c in self._claims.values()
-                if c.node not in busy
-                and _clash(
-                    _remaining_counts(c.annotations.get(ann.DEVICES_TO_ALLOCATE, "")), counts
-                )
+            wanted = _remaining_counts(annotations.get(ann.DEVICES_TO_ALLOCATE, ""))
+            return sorted(
+                k
+                for k, a in others.items()
+                if wanted is None
+                or _clash(_remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), wanted)
             )
-            for node, pods in self._allocating.items():
-                if node not in busy and any(
-                    _clash(_remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), counts)
-                    for a in pods.values()
+
+    def busy_nodes(self, counts: frozenset[int]) -> Counter[str]:
+        """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
+        PreBind, with how many pods it would wait behind: pods reserved, claimed or
+        allocating there with a container still to allocate that asks one of those counts.
+        Cheap: only pods in flight are looked at."""
+        busy: Counter[str] = Counter()
+        if not counts:
+            return busy
+        with self.lock:
+            for k, assumed in self._assumed.items():
+                if (
+                    k not in self._claims
+                    and k not in self._allocating_node
+                    and _clash(assumed.counts, counts)
                 ):
-                    busy.add(node)
+                    busy[assumed.node] += 1
+            for c in self._claims.values():
+                if _clash(
+                    _remaining_counts(c.annotations.get(ann.DEVICES_TO_ALLOCATE, "")), counts
+                ):
+                    busy[c.node] += 1
+            for node, pods in self._allocating.items():
+                claims = self._claims_on.get(node, {})
+                for k, a in pods.items():
+                    if k not in claims and _clash(
+                        _remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), counts
+                    ):
+                        busy[node] += 1
             return busy
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
         with self.lock:
-            before = self._claims.get(key)
-            self._claims[key] = Claim(node, dict(annotations), self._clock())
+            before = self._drop_claim(key)
+            claim = Claim(node, dict(annotations), self._clock())
+            self._claims[key] = claim
+            self._claims_on.setdefault(node, {})[key] = claim
             if before is not None and before.node != node:
-                self._notify()  # an earlier attempt's claim on another node is gone
+                self._notify(before.node)  # an earlier attempt's claim there is gone
 
     def release_claim(self, key: str) -> None:
         with self.lock:
-            if self._claims.pop(key, None) is not None:
-                self._notify()
+            claim = self._drop_claim(key)
+            if claim is not None:
+                self._notify(claim.node)
 
     def bound_to(self, key: str) -> str | None:
         """The node the watch last showed pod ``key`` bound to (None: unbound or unseen)."""
@@ -403,5 +434,5 @@ class ClusterCache:
         """Pods allocating on ``node`` (watched or claimed): key -> annotations."""
         with self.lock:
             out = dict(self._allocating.get(node, {}))
-            out.update({k: c.annotations for k, c in self._claims.items() if c.node == node})
+            out.update({k: c.annotations for k, c in self._claims_on.get(node, {}).items()})
             return out

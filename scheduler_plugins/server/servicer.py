@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -87,21 +87,30 @@ class _Reservation:
     patched: dict[str, str] | None = None  # what PreBind wrote, for Unreserve to take back
 
 
+BUSY_SCORE_MAX: Final = 49  # a busy node scores at most this; the others 50..100
+
+
 def normalize_scores(
-    desirability: npt.NDArray[np.float64], busy: npt.NDArray[np.bool_] | None = None
+    desirability: npt.NDArray[np.float64], queued: npt.NDArray[np.int64] | None = None
 ) -> list[int]:
     """Higher is better, 0..100: the least desirable node 0, the most 100, all equal 100.
 
-    ``busy`` nodes (the pod would wait there for the node agent to finish an ambiguous
-    pod) score 0 and the others 1..100 in their own order, unless every node is busy: then
-    waiting somewhere is unavoidable and desirability alone ranks them.
+    ``queued`` says per node how many in-flight pods the node agent could not tell from
+    this one are there (PreBind would wait for them). Nodes with none score 50..100 in
+    their own order and busy ones below, fewer queued higher (49 // queued), so a burst
+    spreads over node agents and, once all are busy, queues evenly. With every node
+    equally busy, desirability alone ranks them.
     """
     if desirability.size == 0:
         return []
-    if busy is None or not busy.any() or busy.all():
+    if queued is None or not queued.any() or (queued == queued[0]).all():
         return _scale(desirability, 0)
     out = np.zeros(desirability.size, dtype=np.int64)
-    out[~busy] = _scale(desirability[~busy], 1)
+    free = queued == 0
+    busy = ~free
+    if free.any():
+        out[free] = _scale(desirability[free], BUSY_SCORE_MAX + 1)
+    out[busy] = BUSY_SCORE_MAX // queued[busy]
     return [int(v) for v in out.tolist()]
 
 
@@ -230,8 +239,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
             names = [str(decision.layout.names[i]) for i in feasible.tolist()]
-            busy = self._busy_mask(req, names)
-            scores = normalize_scores(decision.desirability[feasible], busy)
+            queued = self._queued(req, names)
+            scores = normalize_scores(decision.desirability[feasible], queued)
             total = len(decision.layout.names) + len(decision.layout.gpu_less)
             why = explain(decision, self._cache.state) if len(names) < total else ""
             per_node = node_reasons(why) if why else ""
@@ -366,17 +375,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ----- helpers -----------------------------------------------------------------------
 
-    def _busy_mask(self, req: PodRequest, names: list[str]) -> npt.NDArray[np.bool_] | None:
-        """Which feasible nodes are busy for ``req``: PreBind would wait there until the node
-        agent has finished a pod it could not tell from this one. Scoring them last spreads
-        a burst over node agents instead of queueing it behind one (binpack order holds
-        among the others; with every node busy nothing changes)."""
+    def _queued(self, req: PodRequest, names: list[str]) -> npt.NDArray[np.int64] | None:
+        """Per feasible node, how many in-flight pods PreBind of ``req`` would wait for
+        there (the node agent could not tell them apart). Scoring busy nodes last spreads a
+        burst over node agents instead of queueing it behind one (binpack order holds
+        among the others)."""
         if not names:
             return None
         busy = self._cache.busy_nodes(_device_counts(req))
         if not busy:
             return None
-        return np.fromiter((n in busy for n in names), dtype=np.bool_, count=len(names))
+        return np.fromiter((busy.get(n, 0) for n in names), dtype=np.int64, count=len(names))
 
     def _refuse_bound(self, key: str) -> None:
         """A pod the watch shows bound is not reserved or annotated again: the scheduler
@@ -491,7 +500,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                             node=node,
                             blockers=blockers,
                         )
-                    self._cache.wait_changed(min(left, _WAIT_SLICE_S))
+                    self._cache.wait_changed(min(left, _WAIT_SLICE_S), node)
             finally:
                 if waiting:
                     self._prebind_waiters -= 1

@@ -689,15 +689,20 @@ def _scores(r: pb.PreFilterResponse) -> dict[str, int]:
     return dict(zip(r.feasible_nodes, r.scores, strict=True))
 
 
-def test_scores_put_busy_nodes_last_and_keep_the_order_of_the_others() -> None:
+def test_scores_put_busy_nodes_last_fewer_queued_first_and_keep_the_others_order() -> None:
     import numpy as np
 
-    busy = np.array([True, False, False, False])
-    assert normalize_scores(np.array([9.0, -3.0, -1.0, 1.0]), busy) == [0, 1, 50, 100]
-    assert normalize_scores(np.array([9.0, 2.0]), np.array([True, False])) == [0, 100]
-    # every node busy: waiting is unavoidable, desirability alone ranks them
-    assert normalize_scores(np.array([1.0, 3.0]), np.array([True, True])) == [0, 100]
-    assert normalize_scores(np.array([1.0, 3.0]), np.array([False, False])) == [0, 100]
+    def q(*v: int) -> Any:
+        return np.array(v, dtype=np.int64)
+
+    assert normalize_scores(np.array([9.0, -3.0, -1.0, 1.0]), q(1, 0, 0, 0)) == [49, 50, 75, 100]
+    assert normalize_scores(np.array([9.0, 2.0, 5.0]), q(3, 0, 1)) == [16, 100, 49]
+    # every node busy: shorter queues first
+    assert normalize_scores(np.array([1.0, 3.0, 2.0]), q(2, 5, 1)) == [24, 9, 49]
+    # every node equally busy (or none): desirability alone ranks them
+    assert normalize_scores(np.array([1.0, 3.0]), q(2, 2)) == [0, 100]
+    assert normalize_scores(np.array([1.0, 3.0]), q(0, 0)) == [0, 100]
+    assert normalize_scores(np.array([1.0, 3.0]), None) == [0, 100]
 
 
 @pytest.mark.parametrize("stage", ["reserved", "claimed", "allocating"])
@@ -711,7 +716,7 @@ def test_a_node_busy_with_an_indistinguishable_pod_scores_last(h: Harness, stage
         h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
         if stage == "claimed":
             h.prebind("q", "n1")
-    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 0, "n2": 100}
+    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 49, "n2": 100}
 
 
 def test_a_busy_node_is_still_first_for_a_pod_the_agent_can_tell_apart(h: Harness) -> None:
@@ -726,11 +731,18 @@ def test_a_node_is_no_longer_busy_once_its_agent_has_allocated(h: Harness) -> No
     _two_nodes_n1_fuller(h)
     q = _allocating("q", "n1", [("GPU-11", 1000, 0)])
     h.cache.apply_pod(q)
-    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 0, "n2": 100}
+    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 49, "n2": 100}
     q["metadata"]["annotations"][ann.BIND_PHASE] = "success"
     q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
     h.cache.apply_pod(q)
     assert _scores(h.prefilter(make_pod("p2").gpu(1, mem=1000).build())) == {"n1": 100, "n2": 0}
+
+
+def test_once_every_node_is_busy_the_shortest_queue_wins(h: Harness) -> None:
+    _two_nodes_n1_fuller(h)
+    for name, node in (("q1", "n1"), ("q2", "n1"), ("q3", "n2")):
+        h.schedule(make_pod(name).gpu(1, mem=1000).build(), node)
+    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 24, "n2": 49}
 
 
 def test_unreserve_frees_the_node_for_the_next_pod(h: Harness) -> None:
@@ -746,7 +758,7 @@ def test_unreadable_allocating_annotations_make_the_node_busy_for_everyone(h: Ha
     q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = "not a device list"
     h.cache.apply_pod(q)
     r = h.prefilter(make_pod("p").gpu(2, mem=1000).build())
-    assert _scores(r) == {"n1": 0, "n2": 100}
+    assert _scores(r) == {"n1": 49, "n2": 100}
 
 
 # ----- cache ----------------------------------------------------------------------------------
