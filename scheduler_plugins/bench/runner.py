@@ -120,6 +120,12 @@ def run_phase(
     show = opts.progress
     out: Json = {"scheduler": kind.value, "nodes": node_count, "load_before": _load()}
     watch: PodTimes | None = None
+    if settings.state_dir.exists():
+        # A run killed before its clean-up left this cluster (processes, etcd, simulated
+        # GPUs): every phase must start from nothing, or it measures and checks old pods.
+        log.warning("bench.stale_cluster_purged", state_dir=str(settings.state_dir))
+        scheduler.stop(settings)
+        cluster.down(purge=True)
     t0 = time.monotonic()
     try:
         info = cluster.up()

@@ -103,7 +103,9 @@ def start_webhook(
             timeout_s=timeout_s,
         )
         url = f"https://{paths.address_file.read_text().strip()}/mutate"
-        config = webhook_configuration(UrlTarget(url), ca_bundle(pki.ca_cert))
+        config = webhook_configuration(
+            UrlTarget(url), ca_bundle(pki.ca_cert), trusted_users=trusted_users
+        )
         with KubeClient.from_kubeconfig(s.kubeconfig, timeout_s=10.0) as api:
             api.apply(f"{API_PATH}/{DEFAULT_NAME}", config)
             _wait_effective(api, scheduler_name, s, timeout_s)

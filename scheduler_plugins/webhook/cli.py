@@ -73,7 +73,9 @@ def add_webhook_commands(
         action="append",
         default=[],
         metavar="USER",
-        help="user allowed to preset internal annotations and nodeName (repeatable)",
+        help="user allowed to preset internal annotations and nodeName on create and to "
+        "change internal annotations on update: Tessera's plugin server and node agent, a "
+        "restore tool (repeatable)",
     )
     serve.add_argument("--address-file", type=Path, help="write HOST:PORT here once listening")
     serve.add_argument(
@@ -104,6 +106,14 @@ def add_webhook_commands(
         help="namespace the webhook skips (repeatable; default kube-system)",
     )
     manifest.add_argument("--output", choices=("yaml", "json"), default="yaml")
+    manifest.add_argument(
+        "--trusted-user",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="user whose pod updates are not sent to the webhook: Tessera's plugin server and "
+        "node agent (e.g. system:serviceaccount:NS:NAME), as given to serve (repeatable)",
+    )
     manifest.set_defaults(func=_cmd_manifest)
     return webhook
 
@@ -207,6 +217,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
         failure_policy=args.failure_policy,
         timeout_s=args.timeout,
         excluded_namespaces=args.exclude_namespace or ("kube-system",),
+        trusted_users=args.trusted_user,
     )
     if args.output == "json":
         print(json.dumps(obj, indent=2))

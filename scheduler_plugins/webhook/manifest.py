@@ -1,9 +1,11 @@
-"""The MutatingWebhookConfiguration that sends pod CREATEs to Tessera's webhook.
+"""The MutatingWebhookConfiguration that sends pods to Tessera's webhook.
 
-Only CREATE is registered. Tessera's scheduler and node agent write the internal annotations
-of bound pods with UPDATE/PATCH, and the webhook does not sit on that path; who may change
-an existing pod's annotations is RBAC's call (grant pods update/patch only to whom you
-trust), not this webhook's.
+Every pod CREATE is sent (the webhook fills in and checks what Tessera needs). Of pod and
+pod status UPDATEs (PATCH included), the apiserver itself sends only those that add, change
+or remove an internal annotation (``hami.io/vgpu-*``, ``hami.io/bind-*``) and come from
+someone other than the trusted users (``match_condition``): the webhook refuses them. Tessera's
+plugin server and node agent, which write those annotations, must be among the trusted
+users, so their writes never wait on the webhook and kubelet status updates never reach it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
+from scheduler_plugins.annotations import INTERNAL_PREFIXES
 from scheduler_plugins.webhook.errors import WebhookSetupError
 
 DEFAULT_NAME: Final = "tessera-webhook"
@@ -71,6 +74,24 @@ def service_target(ref: str, path: str = MUTATE_PATH) -> ServiceTarget:
     return ServiceTarget(ns, name, number, path)
 
 
+def _cel_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def match_condition(trusted_users: Sequence[str]) -> str:
+    """CEL: a CREATE, or an UPDATE by an untrusted user that alters an internal annotation."""
+    new = "object.metadata.?annotations.orValue({})"
+    old = "oldObject.metadata.?annotations.orValue({})"
+    internal = " || ".join(f"k.startsWith({_cel_string(p)})" for p in INTERNAL_PREFIXES)
+    users = ", ".join(_cel_string(u) for u in dict.fromkeys(trusted_users))
+    return (
+        "request.operation == 'CREATE' || ("
+        f"!(request.userInfo.username in [{users}]) && ("
+        f"{new}.exists(k, ({internal}) && (!(k in {old}) || {old}[k] != {new}[k])) || "
+        f"{old}.exists(k, ({internal}) && !(k in {new}))))"
+    )
+
+
 def webhook_configuration(
     target: UrlTarget | ServiceTarget,
     ca_bundle: str,
@@ -79,6 +100,7 @@ def webhook_configuration(
     failure_policy: FailurePolicy = "Fail",
     timeout_s: int = 5,
     excluded_namespaces: Sequence[str] = ("kube-system",),
+    trusted_users: Sequence[str] = (),
 ) -> dict[str, Any]:
     if not 1 <= timeout_s <= 30:
         raise WebhookSetupError(f"--timeout must be 1-30 seconds, got {timeout_s}")
@@ -88,11 +110,17 @@ def webhook_configuration(
         "clientConfig": {**target.client_config(), "caBundle": ca_bundle},
         "rules": [
             {
-                "operations": ["CREATE"],
+                "operations": ["CREATE", "UPDATE"],
                 "apiGroups": [""],
                 "apiVersions": ["v1"],
-                "resources": ["pods"],
+                "resources": ["pods", "pods/status"],
                 "scope": "Namespaced",
+            }
+        ],
+        "matchConditions": [
+            {
+                "name": "create-or-internal-annotations-altered",
+                "expression": match_condition(trusted_users),
             }
         ],
         "failurePolicy": failure_policy,

@@ -2,9 +2,9 @@
 
 ``answer`` is the whole webhook as a pure function of (body, cluster facts, settings): a
 malformed body gets HTTP 400 with a message naming the problem; a well-formed review always
-gets HTTP 200 with an AdmissionReview response carrying the request's ``uid``. Only pod
-CREATE is judged (``rules.review_pod``); every other kind, subresource or operation is
-allowed unchanged.
+gets HTTP 200 with an AdmissionReview response carrying the request's ``uid``. Pod CREATE
+is judged by ``rules.review_pod``, pod (and pod status) UPDATE by ``rules.review_pod_update``;
+every other kind, subresource or operation is allowed unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Final, cast
 
 from scheduler_plugins.webhook.errors import MalformedReviewError
 from scheduler_plugins.webhook.facts import ClusterFacts
-from scheduler_plugins.webhook.rules import PodVerdict, Settings, review_pod
+from scheduler_plugins.webhook.rules import PodVerdict, Settings, review_pod, review_pod_update
 
 API_VERSION: Final = "admission.k8s.io/v1"
 KIND: Final = "AdmissionReview"
@@ -38,6 +38,7 @@ class AdmissionRequest:
     name: str
     user: str
     obj: Mapping[str, Any] | None  # request.object
+    old: Mapping[str, Any] | None = None  # request.oldObject (UPDATE)
 
     @property
     def is_pod_create(self) -> bool:
@@ -47,6 +48,14 @@ class AdmissionRequest:
             "pods",
             "",
         ) and self.operation == "CREATE"
+
+    @property
+    def is_pod_update(self) -> bool:
+        return (
+            (self.group, self.version, self.resource) == ("", "v1", "pods")
+            and self.sub_resource in ("", "status")
+            and self.operation == "UPDATE"
+        )
 
     def pod_key(self) -> str:
         """``namespace/name`` for logs; a pod created with ``generateName`` has no name yet."""
@@ -114,6 +123,9 @@ def parse_review(body: bytes) -> AdmissionRequest:
     obj = req.get("object")
     if obj is not None and not isinstance(obj, dict):
         raise MalformedReviewError(f"request.object must be an object, got {type(obj).__name__}")
+    old = req.get("oldObject")
+    if old is not None and not isinstance(old, dict):
+        raise MalformedReviewError(f"request.oldObject must be an object, got {type(old).__name__}")
     parsed = AdmissionRequest(
         uid=_str(req, "uid", where, required=True),
         group=_str(resource, "group", "request.resource"),
@@ -125,9 +137,15 @@ def parse_review(body: bytes) -> AdmissionRequest:
         name=_str(req, "name", where),
         user=_str(user_info, "username", "request.userInfo"),
         obj=cast("dict[str, Any] | None", obj),
+        old=cast("dict[str, Any] | None", old),
     )
     if parsed.is_pod_create and parsed.obj is None:
         raise MalformedReviewError("request.object (the Pod) is missing from a pod CREATE")
+    if parsed.is_pod_update and (parsed.obj is None or parsed.old is None):
+        raise MalformedReviewError(
+            "request.object and request.oldObject (the Pod after and before) are required "
+            "for a pod UPDATE"
+        )
     return parsed
 
 
@@ -172,9 +190,12 @@ def answer(body: bytes, facts: ClusterFacts, settings: Settings) -> Answer:
         "resource": req.resource,
         "user": req.user,
     }
-    if not req.is_pod_create or req.obj is None:
+    if req.is_pod_update and req.obj is not None and req.old is not None:
+        verdict = review_pod_update(req.old, req.obj, user=req.user, settings=settings)
+    elif req.is_pod_create and req.obj is not None:
+        verdict = review_pod(req.obj, user=req.user, facts=facts, settings=settings)
+    else:
         return Answer(200, response(req.uid, PodVerdict()), {**fields, "judged": False})
-    verdict = review_pod(req.obj, user=req.user, facts=facts, settings=settings)
     fields.update(
         pod=req.pod_key(),
         judged=True,

@@ -4,7 +4,10 @@ Rules, in the order a user meets them:
 
 - Internal annotations (``hami.io/vgpu-*``, ``hami.io/bind-*``) are written by Tessera's
   scheduler and node agent only: a pod that presets one is refused (403), whatever its
-  scheduler, since the scheduler counts any bound pod's recorded devices.
+  scheduler, since the scheduler counts any bound pod's recorded devices; an update of an
+  existing pod (or its status) that adds, changes or removes one is refused the same way
+  (``review_pod_update``): a forged record would let the scheduler over-commit a GPU or
+  hand a container another pod's devices.
 - A pod that asks for Tessera resources must not preset ``spec.nodeName``: it would bypass
   the scheduler, so its devices would be neither reserved nor counted (403).
 - Trusted users (``Settings.trusted_users``, e.g. an operator restoring placed pods) may
@@ -144,6 +147,36 @@ def review_pod(
         patch.append(PatchOp(pointer("spec", "schedulerName"), settings.scheduler_name))
     patch += _default_counts(pod, config)
     return PodVerdict(tuple(patch), tuple(forbidden), tuple(invalid))
+
+
+def review_pod_update(
+    old: Mapping[str, Any], new: Mapping[str, Any], *, user: str, settings: Settings
+) -> PodVerdict:
+    """The verdict on ``user`` updating a pod from ``old`` to ``new``: only whether it
+    alters internal annotations (nothing is mutated on update)."""
+    if user in settings.trusted_users:
+        return PodVerdict()
+    before = _internal(old)
+    after = _internal(new)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return PodVerdict(
+        forbidden=tuple(
+            f"annotation {k} is written only by Tessera's scheduler and node agent: "
+            f"{user or 'this user'} may not {_change(k, before, after)} it on an existing pod"
+            for k in changed
+        )
+    )
+
+
+def _internal(pod: Mapping[str, Any]) -> dict[str, object]:
+    annotations = _dict(_dict(pod.get("metadata")).get("annotations"))
+    return {str(k): v for k, v in annotations.items() if str(k).startswith(ann.INTERNAL_PREFIXES)}
+
+
+def _change(key: str, before: Mapping[str, object], after: Mapping[str, object]) -> str:
+    if key not in before:
+        return "add"
+    return "remove" if key not in after else "change"
 
 
 def _preset_internal(pod: Mapping[str, Any]) -> list[str]:

@@ -42,6 +42,7 @@ from scheduler_plugins.config import (
 )
 from scheduler_plugins.devcluster.layout import repo_root
 from scheduler_plugins.devcluster.testing import ClusterClient
+from scheduler_plugins.webhook.manifest import match_condition
 
 pytestmark = pytest.mark.integration
 
@@ -555,6 +556,32 @@ def test_generated_webhook_certificate_is_signed_for_the_service(default: Render
     public = cert.public_key()
     assert isinstance(public, rsa.RSAPublicKey)
     public.verify(signature, b"probe", padding.PKCS1v15(), hashes.SHA256())
+
+
+def test_webhook_sees_creates_and_untrusted_updates_of_internal_annotations(
+    default: Rendered, helm_bin: Path
+) -> None:
+    hook = default.one("MutatingWebhookConfiguration", f"{fullname()}-webhook")["webhooks"][0]
+    (rule,) = hook["rules"]
+    assert (rule["operations"], rule["resources"]) == (
+        ["CREATE", "UPDATE"],
+        ["pods", "pods/status"],
+    )
+    components = [
+        f"system:serviceaccount:{NAMESPACE}:{fullname()}-plugin-server",
+        f"system:serviceaccount:{NAMESPACE}:{fullname()}-node-agent",
+    ]
+    (cond,) = hook["matchConditions"]
+    # The chart says exactly what `tessera webhook manifest --trusted-user ...` says.
+    assert cond["expression"] == match_condition(components)
+    serve = default.container(f"{fullname()}-scheduler", "webhook")["command"]
+    assert [a for a in serve if a.startswith("--trusted-user=")] == [
+        f"--trusted-user={u}" for u in components
+    ]
+    restore = "system:serviceaccount:backup:restore"
+    more = render(helm_bin, {"webhook": {"trustedUsers": [restore]}})
+    hook = more.one("MutatingWebhookConfiguration", f"{fullname()}-webhook")["webhooks"][0]
+    assert hook["matchConditions"][0]["expression"] == match_condition([*components, restore])
 
 
 def test_webhook_never_sees_its_own_namespace_or_opted_out_pods(default: Rendered) -> None:

@@ -140,3 +140,42 @@ def test_kube_system_is_not_sent_to_the_webhook(
     out = create(dev_cluster, created, obj)
     assert out["metadata"]["annotations"] == preset
     assert out["spec"]["schedulerName"] == "default-scheduler"
+
+
+def _judged(c: ClusterClient, pod_key: str, operation: str) -> list[dict[str, Any]]:
+    lines = c.settings.log_file(WEBHOOK).read_text().splitlines()
+    entries = [json.loads(line) for line in lines if line.startswith("{")]
+    return [e for e in entries if e.get("pod") == pod_key and e.get("operation") == operation]
+
+
+@pytest.mark.parametrize("subresource", ["", "/status"], ids=["pod", "pods/status"])
+def test_internal_annotations_of_an_existing_pod_cannot_be_forged_or_altered(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]], subresource: str
+) -> None:
+    name = f"wh-existing{subresource.replace('/', '-')}"
+    create(dev_cluster, created, pod(name, {GPU: "1"}))
+    path = f"/api/v1/namespaces/default/pods/{name}{subresource}"
+    forged = {ann.DEVICES_ALLOCATED: "GPU-0,NVIDIA,80000,100:;", ann.BIND_PHASE: "success"}
+    with pytest.raises(ApiError) as info:
+        dev_cluster.api.merge_patch(path, {"metadata": {"annotations": forged}})
+    e = info.value
+    assert e.status == 403
+    assert f'admission webhook "{WEBHOOK_NAME}" denied the request' in e.message
+    assert f"annotation {ann.DEVICES_ALLOCATED} is written only by Tessera" in e.message
+    assert "may not add it on an existing pod" in e.message
+    current = dev_cluster.api.get(f"/api/v1/namespaces/default/pods/{name}")
+    assert not set(forged) & set(current["metadata"].get("annotations") or {})
+
+
+def test_other_updates_do_not_reach_the_webhook(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]]
+) -> None:
+    create(dev_cluster, created, pod("wh-relabel", {GPU: "1"}))
+    path = "/api/v1/namespaces/default/pods/wh-relabel"
+    dev_cluster.api.merge_patch(path, {"metadata": {"annotations": {"team": "a"}}})
+    with pytest.raises(ApiError):
+        dev_cluster.api.merge_patch(path, {"metadata": {"annotations": {ann.VGPU_NODE: "n"}}})
+    # The apiserver's matchCondition sent only the update that touched an internal
+    # annotation; the other never waited on the webhook.
+    (judged,) = _judged(dev_cluster, "default/wh-relabel", "UPDATE")
+    assert judged["allowed"] is False

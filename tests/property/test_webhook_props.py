@@ -143,8 +143,8 @@ def pod(draw: st.DrawFn) -> Any:
 
 pods = pod()
 uids = st.uuids().map(lambda u: u.hex)
-sub_resources = mostly(st.none(), rare=st.sampled_from(["", "binding"]))
-operations = mostly(st.just("CREATE"), rare=st.sampled_from(["UPDATE", "X"]))
+sub_resources = mostly(st.none(), rare=st.sampled_from(["", "binding", "status"]))
+operations = st.sampled_from(["CREATE", "CREATE", "UPDATE", "X"])
 users = mostly(st.just("alice"), 2, st.just(TRUSTED))
 
 
@@ -162,6 +162,7 @@ def review(draw: st.DrawFn) -> dict[str, Any]:
         "operation": maybe(draw(operations)),
         "userInfo": maybe({"username": draw(users)}),
         "object": draw(pods),
+        "oldObject": draw(st.none() | pods),
     }
     if draw(ONE_IN_16):
         del req[draw(st.sampled_from(sorted(req)))]
@@ -200,6 +201,14 @@ def check_answer(a: Answer, stats: Counter[str]) -> None:
         assert resp["status"]["code"] in (400, 403) and resp["status"]["message"]
         assert "patch" not in resp
         stats[f"denied {resp['status']['code']}"] += 1
+
+
+def _internal(pod: Any) -> dict[str, Any]:
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    if not isinstance(annotations, dict):
+        return {}
+    return {str(k): v for k, v in annotations.items() if str(k).startswith(ann.INTERNAL_PREFIXES)}
 
 
 def _report(name: str, stats: Counter[str]) -> None:
@@ -245,10 +254,18 @@ def test_random_reviews_and_pods() -> None:
         resp = a.body["response"]
         req = doc["request"]
         assert resp["uid"] == req["uid"]
-        if not a.fields.get("judged"):  # not a pod CREATE: passed unchanged
+        if not a.fields.get("judged"):  # not a pod CREATE or UPDATE: passed unchanged
             assert resp == {"uid": req["uid"], "allowed": True}
             return
         pod, user = req["object"], (req.get("userInfo") or {}).get("username")
+        if req["operation"] == "UPDATE":
+            assert "patch" not in resp, "an update is never mutated"
+            if resp["allowed"] and user != TRUSTED:
+                assert _internal(req["oldObject"]) == _internal(pod), "internal annotation altered"
+            if not resp["allowed"]:
+                assert resp["status"]["code"] == 403 and user != TRUSTED
+            stats["judged update"] += 1
+            return
         meta = pod.get("metadata")
         annotations = meta.get("annotations") if isinstance(meta, dict) else None
         presets = isinstance(annotations, dict) and any(

@@ -19,6 +19,7 @@ from scheduler_plugins.webhook.errors import WebhookSetupError
 from scheduler_plugins.webhook.manifest import (
     ServiceTarget,
     UrlTarget,
+    match_condition,
     service_target,
     url_target,
     webhook_configuration,
@@ -34,20 +35,26 @@ def _restore_logging() -> Iterator[None]:
         structlog.reset_defaults()
 
 
-def test_configuration_registers_pod_create_only() -> None:
-    obj = webhook_configuration(UrlTarget("https://127.0.0.1:9443/mutate"), "Q0E=")
+def test_configuration_registers_pod_create_and_update() -> None:
+    obj = webhook_configuration(
+        UrlTarget("https://127.0.0.1:9443/mutate"), "Q0E=", trusted_users=["sa:plugin", "o'k"]
+    )
     (hook,) = obj["webhooks"]
     assert obj["kind"] == "MutatingWebhookConfiguration"
     assert hook["clientConfig"] == {"url": "https://127.0.0.1:9443/mutate", "caBundle": "Q0E="}
     assert hook["rules"] == [
         {
-            "operations": ["CREATE"],
+            "operations": ["CREATE", "UPDATE"],
             "apiGroups": [""],
             "apiVersions": ["v1"],
-            "resources": ["pods"],
+            "resources": ["pods", "pods/status"],
             "scope": "Namespaced",
         }
     ]
+    (cond,) = hook["matchConditions"]
+    assert cond["expression"] == match_condition(["sa:plugin", "o'k"])
+    assert "['sa:plugin', 'o\\'k']" in cond["expression"]
+    assert "k.startsWith('hami.io/vgpu-') || k.startsWith('hami.io/bind-')" in cond["expression"]
     assert (hook["failurePolicy"], hook["sideEffects"], hook["timeoutSeconds"]) == (
         "Fail",
         "None",

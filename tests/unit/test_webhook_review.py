@@ -86,6 +86,12 @@ BAD = [
     ("userInfo not an object", body(_set("userInfo", "bob")), "request.userInfo"),
     ("object not an object", body(_set("object", "pod")), "request.object"),
     ("pod CREATE without the pod", body(_set("object", None)), "request.object (the Pod)"),
+    ("oldObject not an object", body(_set("oldObject", [])), "request.oldObject must be"),
+    (
+        "pod UPDATE without the old pod",
+        body({**review(operation="UPDATE")}),
+        "request.object and request.oldObject",
+    ),
 ]
 
 
@@ -109,7 +115,6 @@ def _response(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 PASS_THROUGH = [
-    ("pod UPDATE", review(operation="UPDATE")),
     ("pod DELETE", review(operation="DELETE")),
     ("unknown operation", review(operation="EXPLODE")),
     ("pods/binding (the scheduler binding)", review(sub="binding")),
@@ -121,9 +126,31 @@ PASS_THROUGH = [
 
 @pytest.mark.parametrize("doc", [p[1] for p in PASS_THROUGH], ids=[p[0] for p in PASS_THROUGH])
 def test_other_kinds_and_operations_pass_unchanged(doc: dict[str, Any]) -> None:
-    # Even with an internal annotation: only pod CREATE is judged.
+    # Even with an internal annotation: only pod CREATE and UPDATE are judged.
     doc["request"]["object"] = make_pod("p").gpu(None, mem=1).annotate(ann.BIND_PHASE, "x").build()
     assert _response(doc) == {"uid": doc["request"]["uid"], "allowed": True}
+
+
+def _update(old: dict[str, Any], new: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    doc = review(new, operation="UPDATE", **kw)
+    doc["request"]["oldObject"] = old
+    return doc
+
+
+@pytest.mark.parametrize("sub", [None, "status"], ids=["pod", "pods/status"])
+def test_update_altering_an_internal_annotation_is_forbidden(sub: str | None) -> None:
+    old = make_pod("p").gpu(1).annotate(ann.DEVICES_ALLOCATED, "GPU-0,NVIDIA,1000,0:;").build()
+    new = make_pod("p").gpu(1).annotate(ann.DEVICES_ALLOCATED, "GPU-0,NVIDIA,1,0:;").build()
+    resp = _response(_update(old, new, sub=sub))
+    assert resp["allowed"] is False and resp["status"]["code"] == 403
+    assert "alice may not change it" in resp["status"]["message"]
+    assert "patch" not in resp
+
+
+def test_update_of_other_fields_is_allowed_without_a_patch() -> None:
+    old = make_pod("p").gpu(1).annotate(ann.BIND_PHASE, "success").build()
+    new = make_pod("p").gpu(1).annotate(ann.BIND_PHASE, "success").annotate("team", "x").build()
+    assert _response(_update(old, new)) == {"uid": review()["request"]["uid"], "allowed": True}
 
 
 def test_mutation_is_a_base64_json_patch() -> None:

@@ -11,7 +11,13 @@ from scheduler_plugins import annotations as ann
 from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.pods import parse_request
 from scheduler_plugins.webhook.facts import UNKNOWN, ClusterFacts, node_capacity
-from scheduler_plugins.webhook.rules import Settings, asks_tessera, pointer, review_pod
+from scheduler_plugins.webhook.rules import (
+    Settings,
+    asks_tessera,
+    pointer,
+    review_pod,
+    review_pod_update,
+)
 from tests.builders import PodBuilder, gpu, make_pod, mig_gpu
 from tests.jsonpatch import apply_patch
 
@@ -303,3 +309,77 @@ def test_config_names_resources_scheduler_and_default_count() -> None:
 
 def test_pointer_escapes_slash_and_tilde() -> None:
     assert pointer("a", "nvidia.com/gpu", "x~y", 0) == "/a/nvidia.com~1gpu/x~0y/0"
+
+
+# ----- updates of existing pods ---------------------------------------------------------------
+
+ALLOCATED = "GPU-0,NVIDIA,1000,0:;"
+UPDATES: list[tuple[str, dict[str, str], dict[str, str], str, tuple[str, ...]]] = [
+    # (name, old internal/other annotations, new ones, user, forbidden keys with their verb)
+    (
+        "nothing internal changes",
+        {ann.BIND_PHASE: "success"},
+        {ann.BIND_PHASE: "success", "a": "b"},
+        "alice",
+        (),
+    ),
+    (
+        "a user annotation changes",
+        {ann.NODE_POLICY: "spread"},
+        {ann.NODE_POLICY: "binpack"},
+        "alice",
+        (),
+    ),
+    (
+        "forge an allocation",
+        {},
+        {ann.DEVICES_ALLOCATED: ALLOCATED},
+        "alice",
+        (f"{ann.DEVICES_ALLOCATED}: alice may not add",),
+    ),
+    (
+        "shrink an allocation",
+        {ann.DEVICES_ALLOCATED: ALLOCATED},
+        {ann.DEVICES_ALLOCATED: "GPU-0,NVIDIA,1,0:;"},
+        "alice",
+        (f"{ann.DEVICES_ALLOCATED}: alice may not change",),
+    ),
+    (
+        "drop a record",
+        {ann.MIG_ALLOCATIONS: "[]", ann.VGPU_NODE: "n"},
+        {},
+        "alice",
+        (f"{ann.MIG_ALLOCATIONS}: alice may not remove", f"{ann.VGPU_NODE}: alice may not remove"),
+    ),
+    (
+        "mark allocated",
+        {ann.BIND_PHASE: "allocating"},
+        {ann.BIND_PHASE: "success"},
+        "alice",
+        (f"{ann.BIND_PHASE}: alice may not change",),
+    ),
+    ("a trusted user may", {}, {ann.DEVICES_ALLOCATED: ALLOCATED}, "restore-tool", ()),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "user", "forbidden"), [u[1:] for u in UPDATES], ids=[u[0] for u in UPDATES]
+)
+def test_update_may_not_alter_internal_annotations(
+    old: dict[str, str], new: dict[str, str], user: str, forbidden: tuple[str, ...]
+) -> None:
+    settings = Settings(trusted_users=frozenset({"restore-tool"}))
+    before = make_pod("p").gpu(1).build()
+    after = make_pod("p").gpu(1).build()
+    before["metadata"]["annotations"] = dict(old)
+    after["metadata"]["annotations"] = dict(new)
+    verdict = review_pod_update(before, after, user=user, settings=settings)
+    assert verdict.patch == ()
+    assert len(verdict.forbidden) == len(forbidden)
+    for expected, got in zip(forbidden, verdict.forbidden, strict=True):
+        key, _, words = expected.partition(": ")
+        assert got.startswith(f"annotation {key} is written only by Tessera's"), got
+        assert f"{words} it on an existing pod" in got
+    assert verdict.allowed == (not forbidden)
+    if forbidden:
+        assert verdict.code == 403

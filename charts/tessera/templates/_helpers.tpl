@@ -102,3 +102,17 @@ shared with tessera-scheduler. */}}
 
 {{/* The standard in-cluster credential path every client (client-go, Tessera) reads. */}}
 {{- define "tessera.saTokenDir" -}}/var/run/secrets/kubernetes.io/serviceaccount{{- end }}
+
+{{- /*
+Users whose pod writes may alter Tessera's internal annotations: the plugin server and node
+agent service accounts, plus webhook.trustedUsers. A list, one per line.
+*/}}
+{{- define "tessera.trustedUsers" -}}
+{{- $users := list (include "tessera.saUser" (dict "root" . "sa" (include "tessera.pluginServerServiceAccount" .))) }}
+{{- if .Values.nodeAgent.enabled }}
+{{- $users = append $users (include "tessera.saUser" (dict "root" . "sa" (include "tessera.nodeAgentServiceAccount" .))) }}
+{{- end }}
+{{- range (concat $users .Values.webhook.trustedUsers | uniq) }}
+{{ . }}
+{{- end }}
+{{- end }}
