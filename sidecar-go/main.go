@@ -6,6 +6,9 @@ package main
 import (
 	"context"
 	"fmt"
+	"net"
+	"net/http"
+	_ "net/http/pprof" // served only when TESSERA_PPROF_ADDR names a loopback address
 	"os"
 	"time"
 
@@ -36,7 +39,33 @@ func main() {
 // apiserver's work in a burst) that only matters for binds that take long.
 var defaultGates = map[string]bool{string(features.NominatedNodeNameForExpectation): false}
 
+// pprofEnv names a loopback HOST:PORT to serve Go's /debug/pprof on (diagnostics; kube-scheduler's
+// own endpoint needs its secure port and delegated authentication).
+const pprofEnv = "TESSERA_PPROF_ADDR"
+
+func servePprof(addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%s=%q: %w", pprofEnv, addr, err)
+	}
+	if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+		return fmt.Errorf("%s=%q: only a loopback address may serve profiles", pprofEnv, addr)
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("%s: %w", pprofEnv, err)
+	}
+	go func() { _ = http.Serve(ln, nil) }() //nolint:gosec // loopback diagnostics only
+	return nil
+}
+
 func run() int {
+	if addr := os.Getenv(pprofEnv); addr != "" {
+		if err := servePprof(addr); err != nil {
+			fmt.Fprintf(os.Stderr, "%s: %v\n", serviceName, err)
+			return 1
+		}
+	}
 	if err := utilfeature.DefaultMutableFeatureGate.SetFromMap(defaultGates); err != nil {
 		fmt.Fprintf(os.Stderr, "%s: feature gates: %v\n", serviceName, err)
 		return 1

@@ -41,7 +41,7 @@ MERGE_PATCH: Final = "application/merge-patch+json"
 APPLY_PATCH: Final = "application/apply-patch+yaml"
 TABLE: Final = "application/json;as=Table;v=v1;g=meta.k8s.io"
 FIELD_MANAGER: Final = "tessera"
-MAX_IDLE_CONNECTIONS: Final = 8  # kept open between requests, shared by all threads
+MAX_IDLE_CONNECTIONS: Final = 64  # kept open between requests, shared by all threads
 
 SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -352,9 +352,10 @@ class KubeClient:
             headers["Accept"] = accept
         return headers
 
-    def _checkout(self) -> http.client.HTTPSConnection:
+    def _checkout(self, *, fresh: bool = False) -> http.client.HTTPSConnection:
+        """An idle keep-alive connection, or (none idle, or ``fresh``) a new one."""
         with self._lock:
-            if self._idle:
+            if self._idle and not fresh:
                 return self._idle.pop()
         conn = http.client.HTTPSConnection(
             self._host, self._port, timeout=self._timeout_s, context=self._ssl
@@ -371,6 +372,13 @@ class KubeClient:
             self._conns.discard(conn)
         conn.close()
 
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._conns.difference_update(idle)
+        for c in idle:
+            c.close()
+
     def _discard(self, conn: http.client.HTTPSConnection) -> None:
         with self._lock:
             self._conns.discard(conn)
@@ -385,15 +393,17 @@ class KubeClient:
         *,
         retry: bool = True,
     ) -> tuple[int, bytes]:
-        # One retry on a fresh connection: the server may have closed an idle keep-alive one.
+        # One retry on a fresh connection: the server may have closed an idle keep-alive one
+        # (and then likely the other idle ones too).
         for attempt in (0, 1):
-            conn = self._checkout()
+            conn = self._checkout(fresh=attempt > 0)
             try:
                 conn.request(method, path, body=payload, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
             except (OSError, http.client.HTTPException) as e:
                 self._discard(conn)
+                self._drop_idle()  # the server went away or closed them: all are suspect
                 if attempt == 1 or not retry or isinstance(e, ssl.SSLCertVerificationError):
                     raise UnreachableError(
                         f"{method} {self.server}{path} failed: {e!r}; is the apiserver up?"

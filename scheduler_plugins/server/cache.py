@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import structlog
 
@@ -93,6 +93,17 @@ def _clash(counts: frozenset[int] | None, wanted: frozenset[int]) -> bool:
     return counts is None or not counts.isdisjoint(wanted)
 
 
+_ANY: Final = -1  # busy-index key of a pod whose counts are unknown: it clashes with all
+
+
+def _count_keys(counts: frozenset[int] | None) -> tuple[int, ...]:
+    return (_ANY,) if counts is None else tuple(sorted(counts))
+
+
+def _to_allocate_of(annotations: Mapping[str, str]) -> str:
+    return annotations.get(ann.DEVICES_TO_ALLOCATE, "")
+
+
 class ClusterCache:
     """Nodes, pods, reservations and bind claims; every method takes ``lock`` itself."""
 
@@ -116,6 +127,11 @@ class ClusterCache:
         # PreBinds waiting for a node wait on its own condition: a change on one node wakes
         # only the binds waiting there, not every waiter of the cluster.
         self._node_changed: dict[str, threading.Condition] = {}
+        # What busy_nodes reads, kept per pod as its overlays change: pod key -> (node, the
+        # device counts it still asks, -1 standing for "unreadable: any"), and per node how
+        # many in-flight pods ask each count.
+        self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._inflight_on: dict[str, Counter[int]] = {}
         self._assumed: dict[str, _Assumed] = {}
 
     # ----- change tracking ---------------------------------------------------------------
@@ -228,30 +244,45 @@ class ClusterCache:
         with self.lock:
             if self._pod_seen.get(key) == fp:
                 return
-            self._pod_seen[key] = fp
-            if spec.get("nodeName"):
-                self._settled(key)
-            claim = self._claims.get(key)
-            ours = claim is not None and _carries(annotations, claim.annotations)
-            self._track_allocating(pod, key, node_name, annotations)
-            if not counts:
-                self._assumed.pop(key, None)
-                if self.state.allocation(key) is not None:
-                    self._mutating()
-                    self.state.remove_pod(key)
-                return
             try:
-                alloc = parse_allocation(pod)
-            except InvalidInputError as e:
-                # Fail closed: what the pod held before still counts.
-                log.warning(
-                    "pod allocation unreadable; keeping its previous record",
-                    pod=key,
-                    node=node_name or None,
-                    error=str(e),
-                )
-                return
-            self._record(key, alloc, seen_ours=bool(spec.get("nodeName")) or ours)
+                self._apply_pod(pod, key, fp, spec, annotations, counts, node_name)
+            finally:
+                self._refresh_inflight(key)
+
+    def _apply_pod(
+        self,
+        pod: Obj,
+        key: str,
+        fp: tuple[object, ...],
+        spec: Mapping[str, Any],
+        annotations: Mapping[str, str],
+        counts: bool,
+        node_name: str,
+    ) -> None:
+        self._pod_seen[key] = fp
+        if spec.get("nodeName"):
+            self._settled(key)
+        claim = self._claims.get(key)
+        ours = claim is not None and _carries(annotations, claim.annotations)
+        self._track_allocating(pod, key, node_name, annotations)
+        if not counts:
+            self._assumed.pop(key, None)
+            if self.state.allocation(key) is not None:
+                self._mutating()
+                self.state.remove_pod(key)
+            return
+        try:
+            alloc = parse_allocation(pod)
+        except InvalidInputError as e:
+            # Fail closed: what the pod held before still counts.
+            log.warning(
+                "pod allocation unreadable; keeping its previous record",
+                pod=key,
+                node=node_name or None,
+                error=str(e),
+            )
+            return
+        self._record(key, alloc, seen_ours=bool(spec.get("nodeName")) or ours)
 
     def _record(self, key: str, alloc: PodAllocation | None, *, seen_ours: bool) -> None:
         if key in self._assumed:
@@ -319,6 +350,7 @@ class ClusterCache:
             self._assumed.pop(key, None)
             claim = self._drop_claim(key)
             node = self._drop_allocating(key)
+            self._refresh_inflight(key)
             if self.state.allocation(key) is not None:
                 self._mutating()
                 self.state.remove_pod(key)
@@ -353,11 +385,13 @@ class ClusterCache:
             self._mutating()
             self.state.assume(alloc)
             self._assumed[alloc.key] = _Assumed(alloc.node, self._clock(), counts)
+            self._refresh_inflight(alloc.key)
 
     def forget(self, key: str) -> bool:
         """Drop an assumed reservation (idempotent); a confirmed one stays."""
         with self.lock:
             self._assumed.pop(key, None)
+            self._refresh_inflight(key)
             if not self.state.is_assumed(key):
                 return False
             self._mutating()
@@ -381,33 +415,49 @@ class ClusterCache:
 
     def busy_nodes(self, counts: frozenset[int]) -> Counter[str]:
         """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
-        PreBind, with how many pods it would wait behind: pods reserved, claimed or
-        allocating there with a container still to allocate that asks one of those counts.
-        Cheap: only pods in flight are looked at."""
+        PreBind, with (about) how many pods it would wait behind: pods reserved, claimed or
+        allocating there with a container still to allocate that asks one of those counts
+        (a pod asking several of them counts once per count). Read from an index kept as
+        pods change: the cost follows the nodes with pods in flight, not the pods."""
         busy: Counter[str] = Counter()
         if not counts:
             return busy
         with self.lock:
-            for k, assumed in self._assumed.items():
-                if (
-                    k not in self._claims
-                    and k not in self._allocating_node
-                    and _clash(assumed.counts, counts)
-                ):
-                    busy[assumed.node] += 1
-            for c in self._claims.values():
-                if _clash(
-                    _remaining_counts(c.annotations.get(ann.DEVICES_TO_ALLOCATE, "")), counts
-                ):
-                    busy[c.node] += 1
-            for node, pods in self._allocating.items():
-                claims = self._claims_on.get(node, {})
-                for k, a in pods.items():
-                    if k not in claims and _clash(
-                        _remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), counts
-                    ):
-                        busy[node] += 1
+            for node, per_count in self._inflight_on.items():
+                queued = per_count[_ANY] + sum(per_count[c] for c in counts)
+                if queued:
+                    busy[node] = queued
             return busy
+
+    def _refresh_inflight(self, key: str) -> None:
+        """Re-derive pod ``key``'s entry in the busy index from its overlays: its claim
+        (what PreBind wrote) first, else the watch's allocating annotations, else its
+        reservation's counts."""
+        entry: tuple[str, tuple[int, ...]] | None = None
+        claim = self._claims.get(key)
+        allocating_on = self._allocating_node.get(key)
+        assumed = self._assumed.get(key)
+        if claim is not None:
+            entry = (claim.node, _count_keys(_remaining_counts(_to_allocate_of(claim.annotations))))
+        elif allocating_on is not None:
+            annotations = self._allocating.get(allocating_on, {}).get(key, {})
+            entry = (allocating_on, _count_keys(_remaining_counts(_to_allocate_of(annotations))))
+        elif assumed is not None:
+            entry = (assumed.node, _count_keys(assumed.counts))
+        if entry is not None and not entry[1]:
+            entry = None  # nothing left to allocate: it blocks nobody
+        before = self._inflight.get(key)
+        if before == entry:
+            return
+        if before is not None:
+            per_count = self._inflight_on[before[0]]
+            per_count.subtract(before[1])
+            if not +per_count:
+                del self._inflight_on[before[0]]
+            del self._inflight[key]
+        if entry is not None:
+            self._inflight[key] = entry
+            self._inflight_on.setdefault(entry[0], Counter()).update(entry[1])
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
         with self.lock:
@@ -415,12 +465,14 @@ class ClusterCache:
             claim = Claim(node, dict(annotations), self._clock())
             self._claims[key] = claim
             self._claims_on.setdefault(node, {})[key] = claim
+            self._refresh_inflight(key)
             if before is not None and before.node != node:
                 self._notify(before.node)  # an earlier attempt's claim there is gone
 
     def release_claim(self, key: str) -> None:
         with self.lock:
             claim = self._drop_claim(key)
+            self._refresh_inflight(key)
             if claim is not None:
                 self._notify(claim.node)
 

@@ -72,7 +72,7 @@ RESERVATIONS_HELD: Final = "tessera_scheduler_reservations_held"
 DECISION_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # PreBind may wait (bounded by --prebind-wait) for an ambiguous pod on the node.
 RPC_BUCKETS: Final = (*DECISION_BUCKETS, 2.5, 5.0, 10.0, 30.0, 60.0)
-RPC_METHODS: Final = ("PreFilter", "Reserve", "Unreserve", "PreBind")
+RPC_METHODS: Final = ("PreFilter", "Reserve", "Unreserve", "PreBind", "Explain")
 
 
 class MetricsAddressError(InvalidInputError):

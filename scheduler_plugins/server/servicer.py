@@ -1,10 +1,12 @@
 """The gRPC servicer of the plugin protocol: translates messages to core calls and back.
 
 PreFilter decides once per cycle (``decide``) and caches the Decision for Reserve while the
-cache's state is unchanged; Reserve counts the plan at once (``assume``); PreBind writes the
-reservation in one merge patch, first waiting (bounded) only while a pod the node agent
-could not tell apart from this one (``pod_matching.ambiguous``) is allocating on the node.
-Every handler answers a status code the shim can act on; none binds without a reservation.
+cache's state is unchanged; it explains the rejected nodes only when none fits (otherwise
+``Explain`` does, asked by the shim's PostFilter when the whole cycle found no node).
+Reserve counts the plan at once (``assume``); PreBind writes the reservation in one merge
+patch, first waiting (bounded) only while a pod the node agent could not tell apart from
+this one (``pod_matching.ambiguous``) is allocating on the node. Every handler answers a
+status code the shim can act on; none binds without a reservation.
 """
 
 from __future__ import annotations
@@ -198,6 +200,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.PreBindResponse:
         return _handle(self._prebind, request, context, "PreBind", self._tracing, self._metrics)
 
+    def Explain(
+        self, request: pb.ExplainRequest, context: grpc.ServicerContext
+    ) -> pb.ExplainResponse:
+        return _handle(self._explain, request, context, "Explain", self._tracing, self._metrics)
+
     # ----- handlers ----------------------------------------------------------------------
 
     def _prefilter(
@@ -241,8 +248,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             names = [str(decision.layout.names[i]) for i in feasible.tolist()]
             queued = self._queued(req, names)
             scores = normalize_scores(decision.desirability[feasible], queued)
-            total = len(decision.layout.names) + len(decision.layout.gpu_less)
-            why = explain(decision, self._cache.state) if len(names) < total else ""
+            # Explaining evaluates every rejected node in full: only when no node fits is it
+            # needed now; otherwise Explain answers if the cycle fails for other reasons.
+            why = explain(decision, self._cache.state) if not names else ""
             per_node = node_reasons(why) if why else ""
             pending = rejection_reasons(decision) if not names else 0
             self._metrics.observe_decision(self._clock() - started, pending)
@@ -267,6 +275,29 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             infeasible_message=per_node,
             decision_id=decision_id,
         )
+
+    def _explain(
+        self, request: pb.ExplainRequest, context: grpc.ServicerContext
+    ) -> pb.ExplainResponse:
+        self._check_version(request.version)
+        self._check_ready()
+        ident, key = _ident(request.pod)
+        with self._tracing.span("explain"), self._cache.lock:
+            cached = self._decisions.get(ident)
+            if cached is not None and cached.decision_id == request.decision_id:
+                decision = cached.decision
+            else:  # the state changed since: explain it as it is now
+                req = self._requests.get(ident)
+                if req is None:
+                    _abort(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"no PreFilter decision for pod {key} (server restarted?)",
+                    )
+                decision = core_decide(self._cache.state, req)
+            _check_same_pod(decision.request.key, key, ident)
+            if decision.feasible.all() and not decision.layout.gpu_less:
+                return pb.ExplainResponse()  # every node fits: nothing to explain
+            return pb.ExplainResponse(message=explain(decision, self._cache.state))
 
     def _reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext

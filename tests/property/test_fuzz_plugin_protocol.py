@@ -45,12 +45,13 @@ from tests.fuzzing import (
 )
 
 V1 = pb.PROTOCOL_VERSION_1
-METHODS = ("PreFilter", "Reserve", "Unreserve", "PreBind")
+METHODS = ("PreFilter", "Reserve", "Unreserve", "PreBind", "Explain")
 REQUEST_TYPES: dict[str, type[Message]] = {
     "PreFilter": pb.PreFilterRequest,
     "Reserve": pb.ReserveRequest,
     "Unreserve": pb.UnreserveRequest,
     "PreBind": pb.PreBindRequest,
+    "Explain": pb.ExplainRequest,
 }
 FUZZ_PODS = ("fz-1", "fz-2", "fz-3")
 # Codes the shim acts on; INTERNAL and UNKNOWN would mean a handler crashed.
@@ -163,6 +164,8 @@ def calls(draw: st.DrawFn) -> tuple[str, Message]:
         return method, pb.ReserveRequest(
             version=version, pod=ref, node=draw(node_names), decision_id=draw(decision_ids)
         )
+    if method == "Explain":
+        return method, pb.ExplainRequest(version=version, pod=ref, decision_id=draw(decision_ids))
     request_type = pb.UnreserveRequest if method == "Unreserve" else pb.PreBindRequest
     return method, request_type(version=version, pod=ref, node=draw(node_names))
 
@@ -188,6 +191,10 @@ def cycles(draw: st.DrawFn) -> list[tuple[str, Message]]:
         )),
         ("PreBind", pb.PreBindRequest(version=V1, pod=ref, node=node)),
     ]  # fmt: skip
+    if draw(st.booleans()):  # the cycle failed elsewhere: PostFilter asks why
+        out.insert(1, ("Explain", pb.ExplainRequest(
+            version=V1, pod=ref, decision_id=draw(st.integers(0, 4))
+        )))  # fmt: skip
     if draw(st.booleans()):
         out.append(("Unreserve", pb.UnreserveRequest(version=V1, pod=ref, node=node)))
     if draw(st.booleans()):

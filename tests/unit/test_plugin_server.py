@@ -265,7 +265,13 @@ def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Har
     h.cache.apply_node(node_obj("big", gpu("GPU-b", mem=16000)))
     r = h.prefilter(make_pod("p").gpu(1, mem=8000).build())
     assert (r.code, list(r.feasible_nodes)) == (OK, ["big"])
-    assert "insufficient GPU memory" in r.infeasible_message
+    # Some node fits: the rejected ones are explained only when asked (the shim's PostFilter).
+    assert r.infeasible_message == ""
+    why = h.stub.Explain(
+        pb.ExplainRequest(version=V1, pod=ref("p"), decision_id=r.decision_id), timeout=10
+    )
+    assert why.message.startswith("1/2 nodes are available: 1 node [")
+    assert "insufficient GPU memory" in why.message and "(small)" in why.message
     assert h.kube.posts == []
 
     for _ in range(2):  # the second is rate-limited
@@ -286,6 +292,22 @@ def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Har
         "uid": "uid-q",
     }
     assert event["message"] == r.message
+
+
+def test_explain_decides_again_once_the_state_moved_on_and_says_nothing_when_all_fit(
+    h: Harness,
+) -> None:
+    h.cache.apply_node(node_obj("small", gpu("GPU-s", mem=4000)))
+    h.cache.apply_node(node_obj("big", gpu("GPU-b", mem=16000)))
+    r = h.prefilter(make_pod("p").gpu(1, mem=3000).build())
+    assert sorted(r.feasible_nodes) == ["big", "small"] and r.infeasible_message == ""
+    ask = pb.ExplainRequest(version=V1, pod=ref("p"), decision_id=r.decision_id)
+    assert h.stub.Explain(ask, timeout=10).message == ""
+    h.cache.apply_pod(bound_pod("hog", "small", [[("GPU-s", 3500, 0)]]))  # state changes
+    assert "small" in h.stub.Explain(ask, timeout=10).message  # decided again, now
+    with pytest.raises(grpc.RpcError) as e:
+        h.stub.Explain(pb.ExplainRequest(version=V1, pod=ref("never")), timeout=10)
+    assert _code(e) == grpc.StatusCode.NOT_FOUND and "no PreFilter decision" in _details(e)
 
 
 def test_pod_without_gpu_request_is_skipped(h: Harness) -> None:

@@ -114,3 +114,19 @@ class PreBindResponse(_message.Message):
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
     annotations: _containers.ScalarMap[str, str]
     def __init__(self, annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("version", "pod", "decision_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    pod: PodRef
+    decision_id: int
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., decision_id: _Optional[int] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

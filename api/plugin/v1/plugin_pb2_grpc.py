@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.PreBindRequest.SerializeToString,
                 response_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.PreBindResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/tessera.plugin.v1.Scheduler/Explain',
+                request_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -88,6 +93,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Why the pod's GPU request does not fit the nodes PreFilter rejected, per node class. Asked
+        only when the cycle found no node at all (PostFilter), so PreFilter need not explain
+        every cycle in which some nodes fit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +124,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.PreBind,
                     request_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.PreBindRequest.FromString,
                     response_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.PreBindResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainRequest.FromString,
+                    response_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +239,33 @@ class Scheduler:
             '/tessera.plugin.v1.Scheduler/PreBind',
             api_dot_plugin_dot_v1_dot_plugin__pb2.PreBindRequest.SerializeToString,
             api_dot_plugin_dot_v1_dot_plugin__pb2.PreBindResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.plugin.v1.Scheduler/Explain',
+            api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainRequest.SerializeToString,
+            api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

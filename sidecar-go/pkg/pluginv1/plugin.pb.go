@@ -264,7 +264,8 @@ type PreFilterResponse struct {
 	// server's normalization by the pod's node policy).
 	FeasibleNodes []string `protobuf:"bytes,3,rep,name=feasible_nodes,json=feasibleNodes,proto3" json:"feasible_nodes,omitempty"`
 	Scores        []int64  `protobuf:"varint,4,rep,packed,name=scores,proto3" json:"scores,omitempty"`
-	// Why the other nodes don't fit (the same explanation for every infeasible node).
+	// Why the other nodes don't fit (the same explanation for every infeasible node). Set with
+	// UNSCHEDULABLE; with OK it may be empty (ask Explain if the explanation is needed).
 	InfeasibleMessage string `protobuf:"bytes,5,opt,name=infeasible_message,json=infeasibleMessage,proto3" json:"infeasible_message,omitempty"`
 	// Identifies the decision the server cached for Reserve.
 	DecisionId    uint64 `protobuf:"varint,6,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
@@ -649,6 +650,112 @@ func (x *PreBindResponse) GetAnnotations() map[string]string {
 	return nil
 }
 
+type ExplainRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Version ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
+	Pod     *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
+	// The PreFilter decision to explain; when the server no longer holds it, it decides again.
+	DecisionId    uint64 `protobuf:"varint,3,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExplainRequest) Reset() {
+	*x = ExplainRequest{}
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExplainRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExplainRequest) ProtoMessage() {}
+
+func (x *ExplainRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExplainRequest.ProtoReflect.Descriptor instead.
+func (*ExplainRequest) Descriptor() ([]byte, []int) {
+	return file_api_plugin_v1_plugin_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ExplainRequest) GetVersion() ProtocolVersion {
+	if x != nil {
+		return x.Version
+	}
+	return ProtocolVersion_PROTOCOL_VERSION_UNSPECIFIED
+}
+
+func (x *ExplainRequest) GetPod() *PodRef {
+	if x != nil {
+		return x.Pod
+	}
+	return nil
+}
+
+func (x *ExplainRequest) GetDecisionId() uint64 {
+	if x != nil {
+		return x.DecisionId
+	}
+	return 0
+}
+
+type ExplainResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "N/M nodes are available: …", one clause per (node class, reasons) group.
+	Message       string `protobuf:"bytes,1,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExplainResponse) Reset() {
+	*x = ExplainResponse{}
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExplainResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExplainResponse) ProtoMessage() {}
+
+func (x *ExplainResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExplainResponse.ProtoReflect.Descriptor instead.
+func (*ExplainResponse) Descriptor() ([]byte, []int) {
+	return file_api_plugin_v1_plugin_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ExplainResponse) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 var File_api_plugin_v1_plugin_proto protoreflect.FileDescriptor
 
 const file_api_plugin_v1_plugin_proto_rawDesc = "" +
@@ -696,15 +803,23 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.PreBindResponse.AnnotationsEntryR\vannotations\x1a>\n" +
 	"\x10AnnotationsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01*K\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x01\n" +
+	"\x0eExplainRequest\x12<\n" +
+	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
+	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x1f\n" +
+	"\vdecision_id\x18\x03 \x01(\x04R\n" +
+	"decisionId\"+\n" +
+	"\x0fExplainResponse\x12\x18\n" +
+	"\amessage\x18\x01 \x01(\tR\amessage*K\n" +
 	"\x0fProtocolVersion\x12 \n" +
 	"\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n" +
-	"\x12PROTOCOL_VERSION_1\x10\x012\xdf\x02\n" +
+	"\x12PROTOCOL_VERSION_1\x10\x012\xb1\x03\n" +
 	"\tScheduler\x12V\n" +
 	"\tPreFilter\x12#.tessera.plugin.v1.PreFilterRequest\x1a$.tessera.plugin.v1.PreFilterResponse\x12P\n" +
 	"\aReserve\x12!.tessera.plugin.v1.ReserveRequest\x1a\".tessera.plugin.v1.ReserveResponse\x12V\n" +
 	"\tUnreserve\x12#.tessera.plugin.v1.UnreserveRequest\x1a$.tessera.plugin.v1.UnreserveResponse\x12P\n" +
-	"\aPreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3"
+	"\aPreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponse\x12P\n" +
+	"\aExplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3"
 
 var (
 	file_api_plugin_v1_plugin_proto_rawDescOnce sync.Once
@@ -719,7 +834,7 @@ func file_api_plugin_v1_plugin_proto_rawDescGZIP() []byte {
 }
 
 var file_api_plugin_v1_plugin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_api_plugin_v1_plugin_proto_goTypes = []any{
 	(ProtocolVersion)(0),        // 0: tessera.plugin.v1.ProtocolVersion
 	(PreFilterResponse_Code)(0), // 1: tessera.plugin.v1.PreFilterResponse.Code
@@ -732,7 +847,9 @@ var file_api_plugin_v1_plugin_proto_goTypes = []any{
 	(*UnreserveResponse)(nil),   // 8: tessera.plugin.v1.UnreserveResponse
 	(*PreBindRequest)(nil),      // 9: tessera.plugin.v1.PreBindRequest
 	(*PreBindResponse)(nil),     // 10: tessera.plugin.v1.PreBindResponse
-	nil,                         // 11: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	(*ExplainRequest)(nil),      // 11: tessera.plugin.v1.ExplainRequest
+	(*ExplainResponse)(nil),     // 12: tessera.plugin.v1.ExplainResponse
+	nil,                         // 13: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
 }
 var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	0,  // 0: tessera.plugin.v1.PreFilterRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
@@ -744,20 +861,24 @@ var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	2,  // 6: tessera.plugin.v1.UnreserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
 	0,  // 7: tessera.plugin.v1.PreBindRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 8: tessera.plugin.v1.PreBindRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	11, // 9: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
-	3,  // 10: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
-	5,  // 11: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
-	7,  // 12: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
-	9,  // 13: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
-	4,  // 14: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
-	6,  // 15: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
-	8,  // 16: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
-	10, // 17: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
-	14, // [14:18] is the sub-list for method output_type
-	10, // [10:14] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	13, // 9: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	0,  // 10: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 11: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	3,  // 12: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
+	5,  // 13: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
+	7,  // 14: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
+	9,  // 15: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
+	11, // 16: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
+	4,  // 17: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
+	6,  // 18: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
+	8,  // 19: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
+	10, // 20: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
+	12, // 21: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
+	17, // [17:22] is the sub-list for method output_type
+	12, // [12:17] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_api_plugin_v1_plugin_proto_init() }
@@ -771,7 +892,7 @@ func file_api_plugin_v1_plugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_api_plugin_v1_plugin_proto_rawDesc), len(file_api_plugin_v1_plugin_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   10,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -31,6 +31,7 @@ const (
 	Scheduler_Reserve_FullMethodName   = "/tessera.plugin.v1.Scheduler/Reserve"
 	Scheduler_Unreserve_FullMethodName = "/tessera.plugin.v1.Scheduler/Unreserve"
 	Scheduler_PreBind_FullMethodName   = "/tessera.plugin.v1.Scheduler/PreBind"
+	Scheduler_Explain_FullMethodName   = "/tessera.plugin.v1.Scheduler/Explain"
 )
 
 // SchedulerClient is the client API for Scheduler service.
@@ -46,6 +47,10 @@ type SchedulerClient interface {
 	// Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
 	// only for an earlier pod on that node that the node agent could not tell apart.
 	PreBind(ctx context.Context, in *PreBindRequest, opts ...grpc.CallOption) (*PreBindResponse, error)
+	// Why the pod's GPU request does not fit the nodes PreFilter rejected, per node class. Asked
+	// only when the cycle found no node at all (PostFilter), so PreFilter need not explain
+	// every cycle in which some nodes fit.
+	Explain(ctx context.Context, in *ExplainRequest, opts ...grpc.CallOption) (*ExplainResponse, error)
 }
 
 type schedulerClient struct {
@@ -96,6 +101,16 @@ func (c *schedulerClient) PreBind(ctx context.Context, in *PreBindRequest, opts 
 	return out, nil
 }
 
+func (c *schedulerClient) Explain(ctx context.Context, in *ExplainRequest, opts ...grpc.CallOption) (*ExplainResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ExplainResponse)
+	err := c.cc.Invoke(ctx, Scheduler_Explain_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // SchedulerServer is the server API for Scheduler service.
 // All implementations must embed UnimplementedSchedulerServer
 // for forward compatibility.
@@ -109,6 +124,10 @@ type SchedulerServer interface {
 	// Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
 	// only for an earlier pod on that node that the node agent could not tell apart.
 	PreBind(context.Context, *PreBindRequest) (*PreBindResponse, error)
+	// Why the pod's GPU request does not fit the nodes PreFilter rejected, per node class. Asked
+	// only when the cycle found no node at all (PostFilter), so PreFilter need not explain
+	// every cycle in which some nodes fit.
+	Explain(context.Context, *ExplainRequest) (*ExplainResponse, error)
 	mustEmbedUnimplementedSchedulerServer()
 }
 
@@ -130,6 +149,9 @@ func (UnimplementedSchedulerServer) Unreserve(context.Context, *UnreserveRequest
 }
 func (UnimplementedSchedulerServer) PreBind(context.Context, *PreBindRequest) (*PreBindResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method PreBind not implemented")
+}
+func (UnimplementedSchedulerServer) Explain(context.Context, *ExplainRequest) (*ExplainResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Explain not implemented")
 }
 func (UnimplementedSchedulerServer) mustEmbedUnimplementedSchedulerServer() {}
 func (UnimplementedSchedulerServer) testEmbeddedByValue()                   {}
@@ -224,6 +246,24 @@ func _Scheduler_PreBind_Handler(srv interface{}, ctx context.Context, dec func(i
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Scheduler_Explain_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ExplainRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServer).Explain(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Scheduler_Explain_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServer).Explain(ctx, req.(*ExplainRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Scheduler_ServiceDesc is the grpc.ServiceDesc for Scheduler service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -246,6 +286,10 @@ var Scheduler_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "PreBind",
 			Handler:    _Scheduler_PreBind_Handler,
+		},
+		{
+			MethodName: "Explain",
+			Handler:    _Scheduler_Explain_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -34,6 +34,8 @@ type fakeServer struct {
 	lastRes    *pluginv1.ReserveRequest
 	lastUnres  *pluginv1.UnreserveRequest
 	lastBind   *pluginv1.PreBindRequest
+	explain    string // Explain's answer
+	lastExpl   *pluginv1.ExplainRequest
 	traceparts []string
 }
 
@@ -93,6 +95,16 @@ func (s *fakeServer) PreBind(ctx context.Context, req *pluginv1.PreBindRequest) 
 	defer s.mu.Unlock()
 	s.lastBind = req
 	return &pluginv1.PreBindResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
+}
+
+func (s *fakeServer) Explain(ctx context.Context, req *pluginv1.ExplainRequest) (*pluginv1.ExplainResponse, error) {
+	if err := s.record(ctx, "Explain"); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.lastExpl = req
+	return &pluginv1.ExplainResponse{Message: s.explain}, nil
 }
 
 func (s *fakeServer) set(f func(s *fakeServer)) {

@@ -161,6 +161,7 @@ type Plugin struct {
 var (
 	_ fwk.PreFilterPlugin   = &Plugin{}
 	_ fwk.FilterPlugin      = &Plugin{}
+	_ fwk.PostFilterPlugin  = &Plugin{}
 	_ fwk.PreScorePlugin    = &Plugin{}
 	_ fwk.ScorePlugin       = &Plugin{}
 	_ fwk.ScoreExtensions   = &Plugin{}

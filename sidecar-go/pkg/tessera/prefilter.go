@@ -8,6 +8,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"tessera/sidecar-go/pkg/pluginv1"
@@ -120,15 +121,22 @@ func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk
 		scores:            make(map[string]int64, len(nodes)),
 		infeasibleMessage: resp.GetInfeasibleMessage(),
 	}
+	names := sets.New[string]()
 	for i, n := range nodes {
 		d.scores[n] = scores[i]
+		names.Insert(n)
 	}
 	state.Write(decisionKey, d)
-	// No PreFilterResult node set: Filter (a map lookup) rejects the other nodes with the
-	// server's explanation, so it reaches the pod's PodScheduled condition even when another
-	// plugin's PreFilter (e.g. NodeAffinity) restricts the nodes to ones Tessera rejects —
-	// with a node set, kube-scheduler would only say the sets don't intersect.
-	return nil, nil
+	if d.infeasibleMessage != "" {
+		// The server explained the rejected nodes: Filter (a map lookup) passes that on to
+		// the pod's PodScheduled condition, which a node set would replace with "didn't
+		// satisfy plugin(s)".
+		return nil, nil
+	}
+	// The feasible nodes as the PreFilterResult: kube-scheduler then runs no filter (its own
+	// included, e.g. NodeResourcesFit's per-resource checks) on nodes Tessera already
+	// rejected. Their explanation comes from PostFilter if the cycle fails.
+	return &fwk.PreFilterResult{NodeNames: names}, nil
 }
 
 // PreFilterExtensions returns nil: the server's verdicts do not yet answer "what if these pods

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"tessera/sidecar-go/pkg/pluginv1"
@@ -109,6 +110,20 @@ func TestPreFilterDecisionServesFilterAndScoreWithoutFurtherRPC(t *testing.T) {
 	}
 }
 
+func TestPreFilterWithoutExplanationRestrictsNodesToFeasibleOnes(t *testing.T) {
+	// Explained lazily: the feasible nodes become the PreFilterResult, so no filter runs on
+	// the others (their explanation comes from PostFilter).
+	fake, p := startFake(t, nil)
+	lazy := okResponse()
+	lazy.InfeasibleMessage = ""
+	fake.set(func(s *fakeServer) { s.preFilter = lazy })
+	pod := makePod("gpu").gpu("1").obj()
+	res, st := p.PreFilter(context.Background(), newState(), pod, nil)
+	if !st.IsSuccess() || res == nil || !res.NodeNames.Equal(sets.New("n1", "n2")) {
+		t.Errorf("PreFilter = %v, %v; want the node set {n1, n2}", res, st)
+	}
+}
+
 func TestPreFilterMapsServerVerdicts(t *testing.T) {
 	cases := []struct {
 		name     string
@@ -189,5 +204,66 @@ func TestPreFilterFailuresKeepGPUPodPending(t *testing.T) {
 				t.Errorf("a decision was stored after a failed PreFilter")
 			}
 		})
+	}
+}
+
+func TestPostFilterAsksWhyOnlyWhenPreFilterExplainedNothing(t *testing.T) {
+	ctx := context.Background()
+	pod := makePod("gpu").gpu("1").mem("3000").obj()
+	lazy := okResponse()
+	lazy.InfeasibleMessage = "" // the server left the explanation for later
+
+	cases := []struct {
+		name        string
+		preFilter   *pluginv1.PreFilterResponse
+		explain     string
+		serverErr   error
+		wantCalls   int
+		wantMessage string
+	}{
+		{"explained at PreFilter", okResponse(), "", nil, 0, ""},
+		{"lazy", lazy, "2/3 nodes are available: 1 node [8× A100 (hami-core)]: insufficient GPU memory", nil, 1, "Tessera: 2/3 nodes are available: 1 node [8× A100 (hami-core)]: insufficient GPU memory"},
+		{"every node fits the GPUs", lazy, "", nil, 1, ""},
+		{"server gone", lazy, "", status.Error(codes.Unavailable, "down"), 1, "tessera plugin server unavailable: Explain"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			fake, p := startFake(t, nil)
+			fake.set(func(s *fakeServer) { s.preFilter = tc.preFilter; s.explain = tc.explain })
+			state := newState()
+			if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
+				t.Fatalf("PreFilter = %v", st)
+			}
+			if tc.preFilter.GetInfeasibleMessage() == "" {
+				st := p.Filter(ctx, state, pod, nodeInfo("n3"))
+				if st.Code() != fwk.Unschedulable || st.Message() != genericInfeasible {
+					t.Errorf("Filter(n3) = %v, want Unschedulable %q", st, genericInfeasible)
+				}
+			}
+			fake.set(func(s *fakeServer) { s.err = tc.serverErr })
+			res, st := p.PostFilter(ctx, state, pod, nil)
+			if res != nil || st.Code() != fwk.Unschedulable {
+				t.Errorf("PostFilter = %v, %v; want no nomination, Unschedulable", res, st)
+			}
+			if !strings.Contains(st.Message(), tc.wantMessage) || (tc.wantMessage == "" && st.Message() != "") {
+				t.Errorf("PostFilter message = %q, want %q", st.Message(), tc.wantMessage)
+			}
+			if got := fake.count("Explain"); got != tc.wantCalls {
+				t.Errorf("Explain calls = %d, want %d", got, tc.wantCalls)
+			}
+			if tc.wantCalls > 0 && tc.serverErr == nil {
+				fake.mu.Lock()
+				req := fake.lastExpl
+				fake.mu.Unlock()
+				if req.GetDecisionId() != tc.preFilter.GetDecisionId() || req.GetPod().GetName() != "gpu" {
+					t.Errorf("Explain request = %v", req)
+				}
+			}
+		})
+	}
+	// Without a decision (pod skipped or rejected at PreFilter) there is nothing to add.
+	_, p := startFake(t, nil)
+	if _, st := p.PostFilter(ctx, newState(), pod, nil); st.Code() != fwk.Unschedulable || st.Message() != "" {
+		t.Errorf("PostFilter without decision = %v", st)
 	}
 }

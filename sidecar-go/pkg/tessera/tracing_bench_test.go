@@ -35,6 +35,10 @@ func (c memClient) PreBind(ctx context.Context, _ *pluginv1.PreBindRequest, _ ..
 	return &pluginv1.PreBindResponse{}, intercept(ctx, "PreBind")
 }
 
+func (c memClient) Explain(ctx context.Context, _ *pluginv1.ExplainRequest, _ ...grpc.CallOption) (*pluginv1.ExplainResponse, error) {
+	return &pluginv1.ExplainResponse{}, intercept(ctx, "Explain")
+}
+
 // BenchmarkCycle runs PreFilter, Reserve and PreBind of one GPU pod per iteration.
 // Compare off with on-no-exporter (spans recorded, then dropped) for the cost of tracing.
 func BenchmarkCycle(b *testing.B) {
