@@ -18,8 +18,7 @@ included) must find nothing: no double allocation, no leaked or lost MIG instanc
 pods are deleted and every MIG instance must be reclaimed. Figures per scenario are printed
 (run with ``-s``) and written to ``benchmarks/results/faults.json``.
 
-The 2000-pod variant of the plugin-server scenario is ``slow`` (minutes): it runs only with
-``TESSERA_SLOW=1``.
+The plugin-server scenario also runs as a 2000-pod burst (about two minutes here).
 """
 
 from __future__ import annotations
@@ -86,7 +85,6 @@ RESULTS: Final = HERE.parents[1] / "benchmarks" / "results" / "faults.json"
 LABEL: Final = "e2e-faults"
 MIG: Final = {ann.VGPU_MODE: "mig"}
 HAMI_CORE: Final = {ann.VGPU_MODE: "hami-core"}
-SLOW: Final = os.environ.get("TESSERA_SLOW") == "1"
 
 
 # The cluster ---------------------------------------------------------------------------------
@@ -496,8 +494,6 @@ def test_plugin_server_killed_three_times(faults: FaultCluster) -> None:
     assert fig["faults_injected"] == 3
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="2000-pod burst takes minutes; TESSERA_SLOW=1 runs it")
 def test_plugin_server_killed_three_times_2000_pods(faults: FaultCluster) -> None:
     pods = fault_pods(BIG_BURST, 2, "ps-kill-2000")
     fig = run_burst(faults, "ps-kill-2000", pods, _kill_plugin_server(faults, 3))
