@@ -87,6 +87,10 @@ class _Cached:
 class _Reservation:
     plan: PodPlan
     patched: dict[str, str] | None = None  # what PreBind wrote, for Unreserve to take back
+    writing: dict[str, str] | None = None  # what PreBind is writing now (patch in flight)
+    # Unreserve came: a PreBind still waiting must not write; one whose patch is in flight
+    # takes its annotations back itself when the patch returns.
+    cancelled: bool = False
 
 
 BUSY_SCORE_MAX: Final = 49  # a busy node scores at most this; the others 50..100
@@ -283,18 +287,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_ready()
         ident, key = _ident(request.pod)
         with self._tracing.span("explain"), self._cache.lock:
-            cached = self._decisions.get(ident)
-            if cached is not None and cached.decision_id == request.decision_id:
-                decision = cached.decision
-            else:  # the state changed since: explain it as it is now
-                req = self._requests.get(ident)
-                if req is None:
-                    _abort(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"no PreFilter decision for pod {key} (server restarted?)",
-                    )
-                decision = core_decide(self._cache.state, req)
-            _check_same_pod(decision.request.key, key, ident)
+            decision = self._decision_for(
+                ident, key, request.decision_id, grpc.StatusCode.NOT_FOUND, ""
+            )
             if decision.feasible.all() and not decision.layout.gpu_less:
                 return pb.ExplainResponse()  # every node fits: nothing to explain
             return pb.ExplainResponse(message=explain(decision, self._cache.state))
@@ -308,19 +303,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._settle_unsure(key)
         node = request.node
         with self._tracing.span("reserve"), self._cache.lock:
-            cached = self._decisions.get(ident)
-            if cached is not None and cached.decision_id == request.decision_id:
-                decision = cached.decision
-            else:
-                req = self._requests.get(ident)
-                if req is None:
-                    _abort(
-                        grpc.StatusCode.ABORTED,
-                        f"no PreFilter decision for pod {key} (server restarted?); "
-                        "schedule it again",
-                    )
-                decision = core_decide(self._cache.state, req)
-            _check_same_pod(decision.request.key, key, ident)
+            decision = self._decision_for(
+                ident, key, request.decision_id, grpc.StatusCode.ABORTED, "; schedule it again"
+            )
             self._refuse_bound(key)
             plan = decision.plan_for(node)
             if plan is None:
@@ -344,8 +329,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             res = self._reservations.get(ident)
             if res is not None:
                 _check_same_pod(res.plan.pod, key, ident)
+                res.cancelled = True
             self._reservations.pop(ident, None)
             self._reserved_as.pop(key, None)
+            if res is not None and res.writing is not None:
+                # PreBind's patch is in flight: when it returns, PreBind takes it back.
+                log.info("unreserved during the bind patch", pod=key, node=request.node or None)
+                return pb.UnreserveResponse()
             patched = res.patched if res is not None else None
             if patched is None:
                 self._cache.forget(key)
@@ -387,24 +377,70 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
         with self._tracing.span("prebind.wait"):
             self._wait_and_claim(context, key, node, annotations)
+        with self._cache.lock:
+            if res.cancelled:  # unreserved while this PreBind waited: write nothing
+                self._cache.release_claim(key)
+                _abort(grpc.StatusCode.ABORTED, f"pod {key} was unreserved; not binding it")
+            res.writing = annotations
         body: dict[str, Any] = {"metadata": {"annotations": annotations}}
         if request.pod.uid:
             body["metadata"]["uid"] = request.pod.uid  # never annotate a recreated namesake
+        failure: tuple[grpc.StatusCode, str] | None = None
         try:
             with self._tracing.span("prebind.patch"):
                 self._kube.merge_patch(_pod_path(*key.split("/", 1)), body)
-        except TemporaryError as e:
-            self._cache.release_claim(key)
-            _abort(grpc.StatusCode.UNAVAILABLE, f"cannot write bind annotations of {key}: {e}")
+        except TemporaryError as e:  # the patch may still have gone through
+            failure = (grpc.StatusCode.UNAVAILABLE, f"cannot write bind annotations of {key}: {e}")
         except KubeError as e:
-            self._cache.release_claim(key)
-            _abort(grpc.StatusCode.INTERNAL, f"cannot write bind annotations of {key}: {e}")
+            failure = (grpc.StatusCode.INTERNAL, f"cannot write bind annotations of {key}: {e}")
         with self._cache.lock:
-            res.patched = annotations
+            res.writing = None
+            cancelled = res.cancelled
+            if failure is None and not cancelled:
+                res.patched = annotations
+            elif failure is not None and not cancelled:
+                self._cache.release_claim(key)
+        if cancelled:
+            # The scheduler gave up on this pod (its deadline passed) while the patch was in
+            # flight, and its Unreserve left the reservation to us: take the annotations
+            # back, or keep counting them while that cannot be done.
+            self._settle_cancelled(key, node, annotations)
+            _abort(
+                grpc.StatusCode.ABORTED,
+                f"pod {key} was unreserved while its bind annotations were written; taken back",
+            )
+        if failure is not None:
+            _abort(*failure)
         log.info("bind annotations written", pod=key, node=node)
         return pb.PreBindResponse(annotations=annotations)
 
     # ----- helpers -----------------------------------------------------------------------
+
+    def _settle_cancelled(self, key: str, node: str, written: Mapping[str, str]) -> None:
+        """Unreserve's work for a reservation whose PreBind patch was in flight then."""
+        taken_back = self._take_back(key, node, written)
+        with self._cache.lock:
+            if taken_back:
+                self._cache.forget(key)
+                self._cache.release_claim(key)
+            else:
+                _put(self._unsure, key, _Unsure(node, dict(written)))
+
+    def _decision_for(
+        self, ident: str, key: str, decision_id: int, missing: grpc.StatusCode, advice: str
+    ) -> Decision:
+        """PreFilter's decision ``decision_id`` while the state is unchanged, else the same
+        request decided again on the state as it is now (caller holds the cache lock)."""
+        cached = self._decisions.get(ident)
+        if cached is not None and cached.decision_id == decision_id:
+            decision = cached.decision
+        else:
+            req = self._requests.get(ident)
+            if req is None:
+                _abort(missing, f"no PreFilter decision for pod {key} (server restarted?){advice}")
+            decision = core_decide(self._cache.state, req)
+        _check_same_pod(decision.request.key, key, ident)
+        return decision
 
     def _queued(self, req: PodRequest, names: list[str]) -> npt.NDArray[np.int64] | None:
         """Per feasible node, how many in-flight pods PreBind of ``req`` would wait for

@@ -49,6 +49,7 @@ class FakeKube:
         self.lock = threading.Lock()
         self.objects: dict[str, dict[str, Any]] = {}  # GET answers; default: an unbound pod
         self.get_fails_with: Exception | None = None
+        self.hold: threading.Event | None = None
 
     def get(self, path: str) -> Any:
         with self.lock:
@@ -57,6 +58,8 @@ class FakeKube:
             return self.objects.get(path, {"metadata": {"resourceVersion": "1"}, "spec": {}})
 
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
+        if self.hold is not None:  # a slow apiserver: the patch returns when the test says
+            self.hold.wait(10)
         with self.lock:
             if self.fail_with is not None:
                 e, self.fail_with = self.fail_with, None
@@ -593,6 +596,47 @@ def test_prebind_patch_failure_is_unavailable_and_releases_the_claim(h: Harness)
 
 def _allocating(name: str, node: str, devices: list[tuple[str, int, int]]) -> dict[str, Any]:
     return bound_pod(name, node, [devices], phase="Pending", bind_phase="allocating")
+
+
+def test_unreserve_during_the_bind_patch_leaves_the_take_back_to_prebind(h: Harness) -> None:
+    """The scheduler's PreBind deadline passes while the patch is in flight: its Unreserve
+    must not drop the reservation under the patch (the annotations land afterwards and the
+    devices could go to another pod); PreBind takes them back when the patch returns."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    held = h.cache.state.allocation("default/p")
+    h.kube.hold = threading.Event()
+    call = h.stub.PreBind.future(pb.PreBindRequest(version=V1, pod=ref("p"), node="n"), timeout=10)
+    time.sleep(0.3)  # PreBind is in the patch now
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"), timeout=5)
+    assert h.cache.state.allocation("default/p") == held  # still counted
+    h.kube.hold.set()
+    with pytest.raises(grpc.RpcError) as e:
+        call.result()
+    assert _code(e) == grpc.StatusCode.ABORTED and "taken back" in _details(e)
+    (written, undo) = [body for _, body in h.kube.patches]
+    assert written["metadata"]["annotations"][ann.BIND_PHASE] == "allocating"
+    assert set(undo["metadata"]["annotations"]) == set(written["metadata"]["annotations"])
+    assert all(v is None for v in undo["metadata"]["annotations"].values())
+    assert h.cache.state.allocation("default/p") is None
+
+
+def test_unreserve_while_prebind_waits_means_nothing_is_written(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    q = _allocating("q", "n", [("GPU-1", 1000, 0)])
+    h.cache.apply_pod(q)
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    call = h.stub.PreBind.future(pb.PreBindRequest(version=V1, pod=ref("p"), node="n"), timeout=10)
+    time.sleep(0.3)  # waiting for q
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"), timeout=5)
+    q["metadata"]["annotations"][ann.BIND_PHASE] = "success"
+    q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
+    h.cache.apply_pod(q)  # the wait ends
+    with pytest.raises(grpc.RpcError) as e:
+        call.result()
+    assert _code(e) == grpc.StatusCode.ABORTED and "was unreserved" in _details(e)
+    assert h.kube.patches == []
+    assert h.cache.state.allocation("default/p") is None
 
 
 def test_prebind_waits_for_an_ambiguous_allocating_pod_then_proceeds(h: Harness) -> None:
