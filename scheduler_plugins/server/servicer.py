@@ -171,6 +171,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         # Pods whose bind failed after PreBind wrote their annotations, which could not be
         # taken back (the pod may be bound after all): pod key -> what PreBind wrote.
         self._unsure: OrderedDict[str, _Unsure] = OrderedDict()
+        # Pods unreserved while their PreBind patch was in flight: pod key -> that patch,
+        # until PreBind has settled it. No new reservation for them before then.
+        self._orphan_writes: dict[str, Mapping[str, str]] = {}
         # Any change of the state can change any verdict: a cached Decision is exact only
         # until then (dropping it also stops the state from copying columns for it).
         cache.on_change(self._decisions.clear)
@@ -300,6 +303,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         self._check_ready()
         ident, key = _ident(request.pod)
+        self._refuse_while_written(key)
         self._settle_unsure(key)
         node = request.node
         with self._tracing.span("reserve"), self._cache.lock:
@@ -334,6 +338,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self._reserved_as.pop(key, None)
             if res is not None and res.writing is not None:
                 # PreBind's patch is in flight: when it returns, PreBind takes it back.
+                self._orphan_writes[key] = res.writing
                 log.info("unreserved during the bind patch", pod=key, node=request.node or None)
                 return pb.UnreserveResponse()
             patched = res.patched if res is not None else None
@@ -417,14 +422,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ----- helpers -----------------------------------------------------------------------
 
     def _settle_cancelled(self, key: str, node: str, written: Mapping[str, str]) -> None:
-        """Unreserve's work for a reservation whose PreBind patch was in flight then."""
-        taken_back = self._take_back(key, node, written)
-        with self._cache.lock:
-            if taken_back:
-                self._cache.forget(key)
-                self._cache.release_claim(key)
-            else:
-                _put(self._unsure, key, _Unsure(node, dict(written)))
+        """Unreserve's work for a reservation whose PreBind patch was in flight then: take
+        the annotations back, or keep counting them (``_unsure``) while that cannot be done."""
+        taken_back = False
+        try:
+            taken_back = self._take_back(key, node, written)
+        finally:
+            with self._cache.lock:
+                self._orphan_writes.pop(key, None)
+                if taken_back:
+                    self._cache.forget(key)
+                    self._cache.release_claim(key)
+                else:
+                    _put(self._unsure, key, _Unsure(node, dict(written)))
 
     def _decision_for(
         self, ident: str, key: str, decision_id: int, missing: grpc.StatusCode, advice: str
@@ -463,6 +473,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             _abort(
                 grpc.StatusCode.ABORTED,
                 f"pod {key} is bound to node {node} already (an earlier bind went through)",
+            )
+
+    def _refuse_while_written(self, key: str) -> None:
+        """A pod whose earlier PreBind patch is still in flight is not reserved again: that
+        patch could land after the new one and put the old devices on the bound pod."""
+        with self._cache.lock:
+            writing = key in self._orphan_writes
+        if writing:
+            _abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"pod {key}: the annotations of an earlier bind attempt are still being "
+                "written; retry shortly",
             )
 
     def _settle_unsure(self, key: str) -> None:

@@ -610,6 +610,9 @@ def test_unreserve_during_the_bind_patch_leaves_the_take_back_to_prebind(h: Harn
     time.sleep(0.3)  # PreBind is in the patch now
     h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"), timeout=5)
     assert h.cache.state.allocation("default/p") == held  # still counted
+    with pytest.raises(grpc.RpcError) as again:  # no new attempt under the old patch
+        h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    assert _code(again) == grpc.StatusCode.UNAVAILABLE and "still being" in _details(again)
     h.kube.hold.set()
     with pytest.raises(grpc.RpcError) as e:
         call.result()
@@ -619,6 +622,7 @@ def test_unreserve_during_the_bind_patch_leaves_the_take_back_to_prebind(h: Harn
     assert set(undo["metadata"]["annotations"]) == set(written["metadata"]["annotations"])
     assert all(v is None for v in undo["metadata"]["annotations"].values())
     assert h.cache.state.allocation("default/p") is None
+    assert h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n") == "n"  # settled: again
 
 
 def test_unreserve_while_prebind_waits_means_nothing_is_written(h: Harness) -> None:
