@@ -112,7 +112,6 @@ class ClusterCache:
     ) -> None:
         self.state = ClusterState(config)
         self.lock = threading.RLock()
-        self._changed = threading.Condition(self.lock)
         self._clock = clock
         self.generation = 0
         self._listeners: list[Callable[[], None]] = []
@@ -156,17 +155,14 @@ class ClusterCache:
         for cb in self._listeners:
             cb()
 
-    def wait_changed(self, timeout_s: float, node: str | None = None) -> None:
-        """Block (releasing the lock) until a pod or claim changes (on ``node``, when
-        given), or ``timeout_s`` passes."""
+    def wait_changed(self, timeout_s: float, node: str) -> None:
+        """Block (releasing the lock) until a pod or claim on ``node`` changes, or
+        ``timeout_s`` passes."""
         with self.lock:
-            cond = self._changed
-            if node is not None:
-                cond = self._node_changed.setdefault(node, threading.Condition(self.lock))
+            cond = self._node_changed.setdefault(node, threading.Condition(self.lock))
             cond.wait(max(timeout_s, 0.0))
 
     def _notify(self, *nodes: str | None) -> None:
-        self._changed.notify_all()
         for node in nodes:
             cond = self._node_changed.get(node) if node else None
             if cond is not None:
