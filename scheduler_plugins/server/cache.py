@@ -472,6 +472,18 @@ class ClusterCache:
             if claim is not None:
                 self._notify(claim.node)
 
+    def drop_unbound(self, key: str) -> None:
+        """The bind annotations of unbound pod ``key`` were taken off it: stop counting them
+        now rather than when the watch shows it (a bound pod keeps its record)."""
+        with self.lock:
+            if self.bound_to(key) is not None or key in self._assumed or key in self._claims:
+                return
+            self._pod_seen.pop(key, None)  # its next event is applied in full
+            if self.state.allocation(key) is not None:
+                self._mutating()
+                self.state.remove_pod(key)
+            self._refresh_inflight(key)
+
     def bound_to(self, key: str) -> str | None:
         """The node the watch last showed pod ``key`` bound to (None: unbound or unseen)."""
         with self.lock:

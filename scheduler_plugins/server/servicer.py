@@ -28,6 +28,7 @@ import structlog
 
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
+from scheduler_plugins import annotations as ann
 from scheduler_plugins.binding import bind_annotations
 from scheduler_plugins.decide import Decision, PodPlan, reason_names
 from scheduler_plugins.decide import decide as core_decide
@@ -248,6 +249,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not req.wants_gpu:
             return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
         ident = req.uid or req.key
+        self._clear_leftover(req.key, ident, meta, pod.get("spec"))
         with self._tracing.span("decide"), self._cache.lock:
             started = self._clock()
             decision = core_decide(self._cache.state, req)
@@ -435,6 +437,39 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     self._cache.release_claim(key)
                 else:
                     _put(self._unsure, key, _Unsure(node, dict(written)))
+
+    def _clear_leftover(self, key: str, ident: str, meta: Mapping[str, Any], spec: object) -> None:
+        """The scheduler tries a pod again only once its earlier attempt is over: bind
+        annotations an unbound pod still carries then (PreBind's patch landed, but the server
+        died before Unreserve could take it back, or the take-back failed) are left over.
+        Take them back now, or a pod that no longer fits anywhere would keep them, and the
+        devices they name, while it stays Pending. Not while this server's own attempt for
+        the pod is in progress, and never from a pod that is bound after all."""
+        if isinstance(spec, dict) and spec.get("nodeName"):
+            return
+        raw = meta.get("annotations")
+        left = {
+            k: str(v)
+            for k, v in (raw.items() if isinstance(raw, dict) else ())
+            if isinstance(k, str) and k.startswith(ann.INTERNAL_PREFIXES)
+        }
+        with self._cache.lock:
+            unsure = self._unsure.get(key)
+            if unsure is None and not left:
+                return
+            if ident in self._reservations or key in self._orphan_writes:
+                return
+            written = dict(unsure.patched) if unsure is not None else {}
+        written.update(left)
+        node = unsure.node if unsure is not None else left.get(ann.VGPU_NODE, "")
+        if not self._take_back(key, node, written):
+            return  # still counted; Reserve refuses the pod until this is settled
+        with self._cache.lock:
+            self._unsure.pop(key, None)
+            self._cache.forget(key)
+            self._cache.release_claim(key)
+            self._cache.drop_unbound(key)
+        log.info("took back leftover bind annotations", pod=key, node=node or None)
 
     def _decision_for(
         self, ident: str, key: str, decision_id: int, missing: grpc.StatusCode, advice: str

@@ -522,6 +522,82 @@ def test_a_pod_whose_bind_did_not_go_through_is_reserved_again_cleanly(h: Harnes
     assert h.prebind("p", "n").annotations[ann.VGPU_NODE] == "n"
 
 
+def _left_over(name: str, node: str, uuid: str, mem: int) -> dict[str, Any]:
+    """Pod ``name`` as an earlier server left it: PreBind's patch landed, the bind never
+    happened, and nothing took the annotations back (the server died first)."""
+    pod = _allocating(name, node, [(uuid, mem, 0)])
+    del pod["spec"]["nodeName"]
+    pod["metadata"]["uid"] = f"uid-{name}"
+    return pod
+
+
+def test_prefilter_takes_back_annotations_left_over_by_an_earlier_server(h: Harness) -> None:
+    """The CI failure this guards: the pod, tried again, no longer fit anywhere and stayed
+    Pending for good with an allocation written on it (and counted against the GPU)."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", mem=8192)))
+    pod = _left_over("p", "n", "GPU-1", 6000)
+    h.cache.apply_pod(pod)
+    h.kube.objects["/api/v1/namespaces/default/pods/p"] = {
+        "metadata": {"resourceVersion": "9"},
+        "spec": {},
+    }
+    r = h.prefilter(pod)
+    assert r.code == OK and list(r.feasible_nodes) == ["n"]  # its own leftover no longer counts
+    ((path, undo),) = h.kube.patches
+    assert path == "/api/v1/namespaces/default/pods/p"
+    assert undo == {
+        "metadata": {
+            "annotations": dict.fromkeys(
+                k for k in pod["metadata"]["annotations"] if k.startswith(ann.INTERNAL_PREFIXES)
+            )
+        }
+    }
+    assert h.cache.state.allocation("default/p") is None
+
+
+def test_prefilter_keeps_the_annotations_of_a_pod_bound_after_all(h: Harness) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", mem=8192)))
+    pod = _left_over("p", "n", "GPU-1", 6000)
+    h.cache.apply_pod(pod)
+    h.kube.objects["/api/v1/namespaces/default/pods/p"] = {
+        "metadata": {"resourceVersion": "9"},
+        "spec": {"nodeName": "n"},
+    }
+    h.prefilter(pod)
+    assert h.kube.patches == []
+    assert h.cache.state.allocation("default/p") is not None
+
+
+def test_prefilter_leaves_a_pods_annotations_alone_while_its_attempt_is_in_progress(
+    h: Harness,
+) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    written = dict(h.prebind("p", "n").annotations)
+    pod["metadata"]["annotations"].update(written)
+    h.prefilter(pod)  # a confused scheduler, or a PreFilter racing its own bind
+    assert len(h.kube.patches) == 1  # PreBind's own patch only
+
+
+def test_an_unsure_pod_that_no_longer_fits_is_still_cleaned_up(h: Harness) -> None:
+    """Unreserve could not take the annotations back (apiserver down); the pod is tried
+    again once it is back, and no longer fits: PreFilter takes them back anyway."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1)))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    h.schedule(pod, "n")
+    written = dict(h.prebind("p", "n").annotations)
+    h.kube.get_fails_with = UnreachableError("GET /p failed: apiserver down")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    h.kube.get_fails_with = None
+    h.cache.apply_pod(bound_pod("q", "n", [[("GPU-1", 1000, 10)]]))  # the GPU's one slot
+    r = h.prefilter(make_pod("p").gpu(1, mem=1000).build())
+    assert r.code == pb.PreFilterResponse.UNSCHEDULABLE
+    _, undo = h.kube.patches[-1]
+    assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
+    assert h.cache.state.allocation("default/p") is None
+
+
 def test_unreserve_of_an_unbound_pod_releases_its_devices(h: Harness) -> None:
     h.cache.apply_node(node_obj("n", gpu("GPU-1")))
     h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
