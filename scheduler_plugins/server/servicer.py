@@ -46,6 +46,12 @@ log = structlog.get_logger("tessera.plugin_server")
 _MAX_CACHED = 1024
 _DEADLINE_MARGIN_S = 0.2
 _WAIT_SLICE_S = 0.5
+# PreBind's "not yet, nothing written, the reservation stands: ask again" (its node is still
+# allocating an earlier pod the node agent could not tell apart, and this call's wait ended
+# or no worker is free to wait). The shim sleeps and asks again until its bind deadline
+# instead of failing the binding cycle (a failed cycle is a requeue, an event and a status
+# write, and the next attempt queues at the back again).
+WAIT_ELSEWHERE: Final = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -604,17 +610,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     left = deadline - self._clock()
                     if left <= 0 or not context.is_active():
                         _abort(
-                            grpc.StatusCode.UNAVAILABLE,
+                            WAIT_ELSEWHERE,
                             f"pod {key}: waited {max(budget, 0):.1f}s for pod(s) "
                             f"{', '.join(blockers)} to finish allocating on node {node} (the "
-                            "node agent could not tell them apart); retry later",
+                            "node agent could not tell them apart); ask again",
                         )
                     if not waiting:
                         if self._prebind_waiters >= self._max_prebind_waiters:
                             _abort(
-                                grpc.StatusCode.UNAVAILABLE,
+                                WAIT_ELSEWHERE,
                                 f"pod {key}: {self._prebind_waiters} binds are already waiting "
-                                f"for ambiguous pods to finish allocating; retry later",
+                                f"for ambiguous pods to finish allocating; ask again shortly",
                             )
                         self._prebind_waiters += 1
                         waiting = True

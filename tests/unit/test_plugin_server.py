@@ -27,7 +27,7 @@ from scheduler_plugins.node_register import GpuDevice, encode
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from scheduler_plugins.server.cache import ClusterCache
 from scheduler_plugins.server.events import REASON, EventRecorder
-from scheduler_plugins.server.servicer import SchedulerServicer, normalize_scores
+from scheduler_plugins.server.servicer import WAIT_ELSEWHERE, SchedulerServicer, normalize_scores
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
 
@@ -743,7 +743,8 @@ def test_prebind_gives_up_after_its_deadline_naming_the_blocker(h_short_wait: Ha
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p", "n")
     assert 0.4 < time.monotonic() - t0 < 5
-    assert _code(e) == grpc.StatusCode.UNAVAILABLE
+    # Nothing written and the reservation stands: the shim asks again until its deadline.
+    assert _code(e) == WAIT_ELSEWHERE and "ask again" in _details(e)
     assert "default/q" in _details(e)
     assert h.kube.patches == []
 
@@ -763,7 +764,7 @@ def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harn
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
     assert time.monotonic() - t0 < 2  # told to retry at once, not parked on a worker
-    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "already waiting" in _details(e)
+    assert _code(e) == WAIT_ELSEWHERE and "already waiting" in _details(e)
     first.cancel()
 
 
@@ -790,7 +791,32 @@ def test_own_claim_serializes_ambiguous_prebinds_before_the_watch_catches_up(
     h.prebind("p1", "n")
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
-    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "default/p1" in _details(e)
+    assert _code(e) == WAIT_ELSEWHERE and "default/p1" in _details(e)
+
+
+def test_a_prebind_told_to_ask_again_keeps_its_reservation_and_binds_when_asked_again(
+    h_short_wait: Harness,
+) -> None:
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1), gpu("GPU-2", index=1, count=1)))
+    h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    written = dict(h.prebind("p1", "n").annotations)
+    with pytest.raises(grpc.RpcError) as e:
+        h.prebind("p2", "n")
+    assert _code(e) == WAIT_ELSEWHERE
+    held = h.cache.state.allocation("default/p2")
+    assert held is not None  # still counted: no third pod gets its GPU meanwhile
+    r = h.prefilter(make_pod("p3").gpu(1, mem=1000).build())
+    assert r.code == pb.PreFilterResponse.UNSCHEDULABLE
+    p1 = make_pod("p1").gpu(1, mem=1000).build()
+    p1["metadata"]["annotations"].update(written, **{ann.BIND_PHASE: "success"})
+    p1["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
+    p1["spec"]["nodeName"] = "n"
+    h.cache.apply_pod(p1)  # bound and allocated: p2 may go
+    again = h.prebind("p2", "n").annotations[ann.DEVICES_ALLOCATED]
+    assert again.startswith(held.devices[0].uuid + ",")  # the devices it was reserved
+    assert [path for path, _ in h.kube.patches][-1].endswith("/p2")
 
 
 def test_stale_bind_annotations_of_an_unbound_pod_block_nobody(h_short_wait: Harness) -> None:
@@ -818,7 +844,7 @@ def test_own_claim_holds_until_the_pod_is_seen_bound(h_short_wait: Harness) -> N
     h.cache.apply_pod(p1)
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
-    assert _code(e) == grpc.StatusCode.UNAVAILABLE and "default/p1" in _details(e)
+    assert _code(e) == WAIT_ELSEWHERE and "default/p1" in _details(e)
 
 
 # ----- busy nodes: a burst spreads over node agents instead of queueing behind one ------------

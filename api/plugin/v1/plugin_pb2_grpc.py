@@ -88,6 +88,9 @@ class SchedulerServicer:
     def PreBind(self, request, context):
         """Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
         only for an earlier pod on that node that the node agent could not tell apart.
+        RESOURCE_EXHAUSTED: that pod is still allocating (this call's wait ended, or every
+        server worker that may wait is taken); nothing was written and the reservation stands:
+        the client asks again (paced) until its own deadline instead of failing the cycle.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

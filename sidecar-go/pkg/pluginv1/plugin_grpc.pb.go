@@ -46,6 +46,9 @@ type SchedulerClient interface {
 	Unreserve(ctx context.Context, in *UnreserveRequest, opts ...grpc.CallOption) (*UnreserveResponse, error)
 	// Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
 	// only for an earlier pod on that node that the node agent could not tell apart.
+	// RESOURCE_EXHAUSTED: that pod is still allocating (this call's wait ended, or every
+	// server worker that may wait is taken); nothing was written and the reservation stands:
+	// the client asks again (paced) until its own deadline instead of failing the cycle.
 	PreBind(ctx context.Context, in *PreBindRequest, opts ...grpc.CallOption) (*PreBindResponse, error)
 	// Why the pod's GPU request does not fit the nodes PreFilter rejected, per node class. Asked
 	// only when the cycle found no node at all (PostFilter), so PreFilter need not explain
@@ -123,6 +126,9 @@ type SchedulerServer interface {
 	Unreserve(context.Context, *UnreserveRequest) (*UnreserveResponse, error)
 	// Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
 	// only for an earlier pod on that node that the node agent could not tell apart.
+	// RESOURCE_EXHAUSTED: that pod is still allocating (this call's wait ended, or every
+	// server worker that may wait is taken); nothing was written and the reservation stands:
+	// the client asks again (paced) until its own deadline instead of failing the cycle.
 	PreBind(context.Context, *PreBindRequest) (*PreBindResponse, error)
 	// Why the pod's GPU request does not fit the nodes PreFilter rejected, per node class. Asked
 	// only when the cycle found no node at all (PostFilter), so PreFilter need not explain

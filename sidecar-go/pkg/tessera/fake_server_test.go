@@ -9,7 +9,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -34,6 +36,7 @@ type fakeServer struct {
 	lastRes    *pluginv1.ReserveRequest
 	lastUnres  *pluginv1.UnreserveRequest
 	lastBind   *pluginv1.PreBindRequest
+	bindWaits  int    // PreBind answers ResourceExhausted ("ask again") this many times first
 	explain    string // Explain's answer
 	lastExpl   *pluginv1.ExplainRequest
 	traceparts []string
@@ -94,6 +97,10 @@ func (s *fakeServer) PreBind(ctx context.Context, req *pluginv1.PreBindRequest) 
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.lastBind = req
+	if s.bindWaits > 0 {
+		s.bindWaits--
+		return nil, status.Error(codes.ResourceExhausted, "node n1 still allocating default/q; ask again")
+	}
 	return &pluginv1.PreBindResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
 }
 

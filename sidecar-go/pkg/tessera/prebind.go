@@ -2,12 +2,24 @@ package tessera
 
 import (
 	"context"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"tessera/sidecar-go/pkg/pluginv1"
+)
+
+// Pauses between PreBind calls the server answered "not yet" (jittered, doubling).
+const (
+	preBindRetryFirst = 200 * time.Millisecond
+	preBindRetryMax   = 2 * time.Second
 )
 
 // PreBindPreFlight skips PreBind for pods without a Tessera decision. PreBind only patches the
@@ -28,11 +40,27 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanPreBind, "PreBind", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.BindTimeout.Duration)
 	defer cancel()
-	resp, err := p.client.PreBind(callCtx, &pluginv1.PreBindRequest{
+	req := &pluginv1.PreBindRequest{
 		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
 		Pod:     podRef(pod),
 		Node:    nodeName,
-	})
+	}
+	resp, err := p.client.PreBind(callCtx, req)
+	// ResourceExhausted: the node is still allocating an earlier pod the node agent could not
+	// tell apart, and the server wrote nothing and keeps the reservation. Waiting here (a
+	// goroutine) instead of failing the cycle saves a requeue, an event, a status write and a
+	// whole new cycle per retry, and holds no server thread.
+	for delay := preBindRetryFirst; status.Code(err) == codes.ResourceExhausted; delay = min(2*delay, preBindRetryMax) {
+		select {
+		case <-callCtx.Done():
+			traced.end(callOutcome(err), err)
+			traced.finish(OutcomeError)
+			return fwk.AsStatus(fmt.Errorf("tessera: node %s still allocating an earlier pod after %s: %w",
+				nodeName, p.args.BindTimeout.Duration, err))
+		case <-time.After(delay/2 + rand.N(delay/2+1)):
+		}
+		resp, err = p.client.PreBind(callCtx, req)
+	}
 	traced.end(callOutcome(err), err)
 	if err != nil {
 		// Unreserve follows and adds its span to the ended attempt.

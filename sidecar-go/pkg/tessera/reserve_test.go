@@ -4,9 +4,11 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	fwk "k8s.io/kube-scheduler/framework"
 )
 
@@ -93,5 +95,40 @@ func TestPreBindPersistsOrFailsWithError(t *testing.T) {
 		if st := p.PreBind(ctx, state, pod, "n1"); st.Code() != fwk.Error || !strings.Contains(st.Message(), "PreBind") {
 			t.Errorf("PreBind with %v = %v %q, want Error naming PreBind", err, st.Code(), st.Message())
 		}
+	}
+}
+
+func TestPreBindAsksAgainWhileTheNodeIsStillAllocating(t *testing.T) {
+	fake, p := startFake(t, &Args{BindTimeout: metav1.Duration{Duration: 5 * time.Second}})
+	pod := makePod("p").gpu("1").obj()
+	ctx := context.Background()
+	state := decided(t, fake, p)
+	fake.set(func(s *fakeServer) { s.bindWaits = 2 })
+	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("PreBind = %v, want success on the third call", st)
+	}
+	if n := fake.count("PreBind"); n != 3 {
+		t.Errorf("PreBind calls = %d, want 3", n)
+	}
+	if n := fake.count("Unreserve"); n != 0 {
+		t.Errorf("Unreserve calls = %d, want 0 (the reservation stands)", n)
+	}
+}
+
+func TestPreBindGivesUpAskingAtItsDeadline(t *testing.T) {
+	fake, p := startFake(t, &Args{BindTimeout: metav1.Duration{Duration: 700 * time.Millisecond}})
+	pod := makePod("p").gpu("1").obj()
+	state := decided(t, fake, p)
+	fake.set(func(s *fakeServer) { s.bindWaits = 1 << 20 })
+	start := time.Now()
+	st := p.PreBind(context.Background(), state, pod, "n1")
+	if st.Code() != fwk.Error || !strings.Contains(st.Message(), "node n1 still allocating an earlier pod after 700ms") {
+		t.Errorf("PreBind = %v %q, want Error saying it gave up", st.Code(), st.Message())
+	}
+	if took := time.Since(start); took < 600*time.Millisecond || took > 3*time.Second {
+		t.Errorf("gave up after %s, want about the bind timeout", took)
+	}
+	if n := fake.count("PreBind"); n < 2 || n > 6 {
+		t.Errorf("PreBind calls = %d, want a few (paced, not a busy loop)", n)
 	}
 }
