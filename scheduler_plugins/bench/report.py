@@ -430,6 +430,7 @@ def _churn_section(result: Json) -> list[str]:
                 c.get("deleted"),
                 c.get("succeeded"),
                 c.get("deleted_instead"),
+                c.get("revived_by_kwok"),
                 c.get("end_s"),
                 c.get("pods"),
                 c.get("bound"),
@@ -446,7 +447,10 @@ def _churn_section(result: Json) -> list[str]:
         "While a share of the bound pods is deleted (grace 0) or marked Succeeded, as many new",
         "pods arrive; the invariant check below runs after it. A pod is marked Succeeded only",
         "once kwok has made it Running (else kwok would set it back to Running); one that is",
-        "not Running within a minute is deleted instead.",
+        "not Running within a minute is deleted instead. *Revived*: pods marked Succeeded that",
+        "kwok later set back to Running (under load it can apply its start stage to a stale",
+        "copy; no kubelet revives a terminated pod, whose devices have gone to others by then);",
+        "they are deleted before the invariant check.",
         "",
         *_table(
             [
@@ -455,6 +459,7 @@ def _churn_section(result: Json) -> list[str]:
                 "deleted",
                 "succeeded",
                 "deleted instead",
+                "revived",
                 "ending s",
                 "new pods",
                 "bound",

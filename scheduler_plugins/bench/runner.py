@@ -47,6 +47,7 @@ from scheduler_plugins.bench.scenarios import (
     Ended,
     churn_pods,
     concurrency_bursts,
+    delete_resurrected,
     end_pods,
     pending_reasons,
     registers,
@@ -67,6 +68,7 @@ log = structlog.get_logger(__name__)
 
 MAX_SOCKET_PATH: Final = 107
 SLOW_LIST_TIMEOUT_S: Final = 300.0  # listing every pod of a loaded cluster
+CHECK_SETTLE_S: Final = 5.0  # after deleting pods kwok revived, before the invariant check
 
 Json = dict[str, Any]
 
@@ -195,8 +197,11 @@ def run_phase(
             out["plugin_rpc"] = sampler.histograms_json("main-start", "main-end")
             out["api_requests"] = sampler.requests_json("main-start", "main-end", len(main.bound))
 
+            marked: list[str] = []
             if opts.churn_fraction > 0 and main.bound:
-                out["churn"] = _churn(api, scheduler, watch, opts, main, batch, kind, node_count)
+                out["churn"], marked = _churn(
+                    api, scheduler, watch, opts, main, batch, kind, node_count
+                )
             sampler.mark("end")
             out["components"] = sampler.components_json("start", "end", ("main-start", "main-end"))
             out["metrics_url"] = scheduler.metrics_url
@@ -205,6 +210,11 @@ def run_phase(
                 with KubeClient(
                     info.server, info.token, info.ca_file, timeout_s=SLOW_LIST_TIMEOUT_S
                 ) as slow:
+                    revived = delete_resurrected(slow, marked, "main")
+                    if "churn" in out:
+                        out["churn"]["revived_by_kwok"] = len(revived)
+                    if revived:
+                        time.sleep(CHECK_SETTLE_S)  # the node agents reclaim their instances
                     out["check"] = run_check(slow, scheduler.agent_state(settings))
             else:
                 out["check"] = None
@@ -275,7 +285,8 @@ def _churn(
     batch: Callable[[str, tuple[BenchPod, ...], str, float], Batch],
     kind: SchedulerKind,
     node_count: int,
-) -> Json:
+) -> tuple[Json, list[str]]:
+    """The churn's results, and the pods it marked Succeeded."""
     delete, succeed = churn_pods(list(main.bound), opts.churn_fraction, opts.seed)
     arrivals = generate(
         len(delete) + len(succeed), seed=opts.seed + 1, mix=opts.mix, prefix="churn"
@@ -306,7 +317,7 @@ def _churn(
             "pending_reasons": pending_reasons(api, "churn"),
         }
     )
-    return result
+    return result, done.marked
 
 
 def _keep_logs(src: Path, dst: Path) -> Path:

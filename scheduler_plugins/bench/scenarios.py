@@ -3,6 +3,7 @@ which pods churn ends and how, why pods stayed pending, and the closing invarian
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import threading
@@ -13,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+
+import structlog
 
 from scheduler_plugins import annotations as ann
 from scheduler_plugins.bench.batches import BATCH_LABEL, PODS_PATH
@@ -27,6 +30,8 @@ from scheduler_plugins.errors import TesseraError
 from scheduler_plugins.kube.client import KubeClient
 from scheduler_plugins.kube.errors import ApiError, KubeError, NotFoundError
 from scheduler_plugins.node_register import GpuDevice, decode
+
+log = structlog.get_logger(__name__)
 
 CHECK_RETRY_S: Final = 5.0
 RUNNING_WAIT_S: Final = 60.0
@@ -112,6 +117,7 @@ class Ended:
     succeeded: int = 0
     deleted_instead: int = 0  # never Running in time: deleted rather than marked Succeeded
     errors: list[str] = field(default_factory=list)
+    marked: list[str] = field(default_factory=list)  # names marked Succeeded
 
 
 def end_pods(
@@ -153,6 +159,8 @@ def end_pods(
                             "PATCH", f"{path}/status", to_succeeded, content_type=JSON_PATCH
                         )
                         count("succeeded")
+                        with lock:
+                            done.marked.append(name)
                         return
                     except ApiError as e:
                         if e.status != TEST_FAILED:
@@ -175,6 +183,34 @@ def end_pods(
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         list(pool.map(one, items))
     return done
+
+
+def delete_resurrected(api: KubeClient, marked: Sequence[str], label: str) -> list[str]:
+    """Pods of batch ``label`` marked Succeeded that are no longer Succeeded, deleted (grace 0).
+
+    Under load kwok can apply its pod-ready stage to a stale copy of a pod after the pod was
+    marked Succeeded, setting it back to Running (its status patch has no precondition). No
+    kubelet revives a terminated pod: by then the node agent has destroyed the pod's MIG
+    instances and the scheduler has given its devices to others, so the revived pod would
+    show as overlapping them. Such pods are removed before the invariant check, and counted.
+    """
+    if not marked:
+        return []
+    wanted = set(marked)
+    answer = api.list(PODS_PATH, label_selector=f"{BATCH_LABEL}={label}")
+    revived = sorted(
+        str((pod.get("metadata") or {}).get("name"))
+        for pod in answer.get("items") or []
+        if (pod.get("metadata") or {}).get("name") in wanted
+        and (pod.get("status") or {}).get("phase") != "Succeeded"
+    )
+    body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
+    for name in revived:
+        with contextlib.suppress(NotFoundError):  # gone already
+            api.request("DELETE", f"{PODS_PATH}/{name}", body)
+    if revived:
+        log.warning("bench.kwok_revived_pods", count=len(revived), first=revived[:5])
+    return revived
 
 
 def pending_reasons(api: KubeClient, label: str, limit: int = 5) -> dict[str, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -12,8 +12,9 @@ from scheduler_plugins.bench.batches import Batch, batch_json, burst_json, drain
 from scheduler_plugins.bench.errors import BenchError
 from scheduler_plugins.bench.report import decision_series, markdown, targets, write_report
 from scheduler_plugins.bench.runner import ratios
-from scheduler_plugins.bench.scenarios import churn_pods, concurrency_bursts
+from scheduler_plugins.bench.scenarios import churn_pods, concurrency_bursts, delete_resurrected
 from scheduler_plugins.bench.workload import generate, mig_burst
+from scheduler_plugins.kube.client import KubeClient
 from scheduler_plugins.node_register import GpuDevice
 
 
@@ -168,6 +169,38 @@ def _gpu(node: str, i: int, mode: str, model: str = "NVIDIA A100-PCIE-40GB") -> 
         mode=mode,
         health=True,
     )
+
+
+class _Pods:
+    """Answers a list of pods and records deletes."""
+
+    def __init__(self, phases: dict[str, str]) -> None:
+        self.phases = phases
+        self.deleted: list[str] = []
+        self.selectors: list[str | None] = []
+
+    def list(self, path: str, *, label_selector: str | None = None) -> dict[str, Any]:
+        self.selectors.append(label_selector)
+        items = [{"metadata": {"name": n}, "status": {"phase": p}} for n, p in self.phases.items()]
+        return {"items": items}
+
+    def request(self, method: str, path: str, body: object = None) -> dict[str, Any]:
+        assert method == "DELETE" and body == {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "gracePeriodSeconds": 0,
+        }
+        self.deleted.append(path.rsplit("/", 1)[1])
+        return {}
+
+
+def test_pods_kwok_set_back_to_running_after_succeeded_are_deleted_and_named() -> None:
+    api = _Pods({"a": "Succeeded", "b": "Running", "c": "Running", "d": "Pending"})
+    revived = delete_resurrected(cast(KubeClient, api), ["a", "b", "d"], "main")
+    assert revived == ["b", "d"] and api.deleted == ["b", "d"]  # "c" was never marked
+    assert api.selectors == ["tessera.dev/bench=main"]
+    assert delete_resurrected(cast(KubeClient, api), [], "main") == []
+    assert len(api.selectors) == 1  # nothing marked: no list
 
 
 def test_concurrency_bursts_pick_a100_40gb_nodes_of_each_mode() -> None:
