@@ -34,6 +34,7 @@ from scheduler_plugins.node_register import GpuDevice, decode
 log = structlog.get_logger(__name__)
 
 CHECK_RETRY_S: Final = 5.0
+DELETE_NOW: Final = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
 RUNNING_WAIT_S: Final = 60.0
 JSON_PATCH: Final = "application/json-patch+json"
 TEST_FAILED: Final = 422  # a JSON patch "test" op that does not hold
@@ -137,7 +138,6 @@ def end_pods(
     """
     done = Ended()
     lock = threading.Lock()
-    body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
     to_succeeded = [
         {"op": "test", "path": "/status/phase", "value": "Running"},
         {"op": "replace", "path": "/status/phase", "value": "Succeeded"},
@@ -169,7 +169,7 @@ def end_pods(
                         break
                     time.sleep(0.5)
                 count("deleted_instead")
-            api.request("DELETE", path, body)
+            api.request("DELETE", path, DELETE_NOW)
             if how == "delete":
                 count("deleted")
         except NotFoundError:
@@ -204,10 +204,9 @@ def delete_resurrected(api: KubeClient, marked: Sequence[str], label: str) -> li
         if (pod.get("metadata") or {}).get("name") in wanted
         and (pod.get("status") or {}).get("phase") != "Succeeded"
     )
-    body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
     for name in revived:
         with contextlib.suppress(NotFoundError):  # gone already
-            api.request("DELETE", f"{PODS_PATH}/{name}", body)
+            api.request("DELETE", f"{PODS_PATH}/{name}", DELETE_NOW)
     if revived:
         log.warning("bench.kwok_revived_pods", count=len(revived), first=revived[:5])
     return revived

@@ -351,8 +351,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 return pb.UnreserveResponse()
             patched = res.patched if res is not None else None
             if patched is None:
-                self._cache.forget(key)
-                self._cache.release_claim(key)
+                self._release(key)
         # The reservation goes only once its annotations are gone from the pod: while they
         # may stand (the pod bound after all, or the API unreachable) it keeps counting, or
         # another pod could be given the same devices before the watch shows them.
@@ -360,8 +359,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             taken_back = self._take_back(key, res.plan.node, patched)
             with self._cache.lock:
                 if taken_back:
-                    self._cache.forget(key)
-                    self._cache.release_claim(key)
+                    self._release(key)
                 else:
                     _put(self._unsure, key, _Unsure(res.plan.node, patched))
         log.info("unreserved", pod=key, node=request.node or None)
@@ -439,8 +437,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             with self._cache.lock:
                 self._orphan_writes.pop(key, None)
                 if taken_back:
-                    self._cache.forget(key)
-                    self._cache.release_claim(key)
+                    self._release(key)
                 else:
                     _put(self._unsure, key, _Unsure(node, dict(written)))
 
@@ -459,6 +456,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             for k, v in (raw.items() if isinstance(raw, dict) else ())
             if isinstance(k, str) and k.startswith(ann.INTERNAL_PREFIXES)
         }
+        if not left and key not in self._unsure:
+            return  # the common case, decided without the lock (re-checked under it)
         with self._cache.lock:
             unsure = self._unsure.get(key)
             if unsure is None and not left:
@@ -472,8 +471,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             return  # still counted; Reserve refuses the pod until this is settled
         with self._cache.lock:
             self._unsure.pop(key, None)
-            self._cache.forget(key)
-            self._cache.release_claim(key)
+            self._release(key)
             self._cache.drop_unbound(key)
         log.info("took back leftover bind annotations", pod=key, node=node or None)
 
@@ -547,8 +545,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             )
         with self._cache.lock:
             self._unsure.pop(key, None)
-            self._cache.forget(key)
-            self._cache.release_claim(key)
+            self._release(key)
 
     def _take_back(self, key: str, node: str, patched: Mapping[str, str]) -> bool:
         """PreBind wrote the reservation but the bind failed: take it back, or the unbound
@@ -634,6 +631,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             finally:
                 if waiting:
                     self._prebind_waiters -= 1
+
+    def _release(self, key: str) -> None:
+        """Stop counting pod ``key``'s reservation and bind claim (caller holds the cache
+        lock): its annotations are gone from the pod, or were never written."""
+        self._cache.forget(key)
+        self._cache.release_claim(key)
 
     def _drop_reservation(self, key: str) -> None:
         self._unsure.pop(key, None)
