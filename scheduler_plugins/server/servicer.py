@@ -3,9 +3,11 @@
 PreFilter decides once per cycle (``decide``) and caches the Decision for Reserve while the
 cache's state is unchanged; it explains the rejected nodes only when none fits (otherwise
 ``Explain`` does, asked by the shim's PostFilter when the whole cycle found no node).
-Reserve counts the plan at once (``assume``); PreBind writes the reservation in one merge
-patch, first waiting (bounded) only while a pod the node agent could not tell apart from
-this one (``pod_matching.ambiguous``) is allocating on the node. Every handler answers a
+Reserve counts the plan at once (``assume``); PreBind hands the reservation's annotations
+to the shim, whose Bind writes them with the pod's nodeName in one Binding (or, when the
+shim does not bind, writes them in one merge patch), first waiting (bounded) only while a
+pod the node agent could not tell apart from this one (``pod_matching.ambiguous``) is
+allocating on the node. Every handler answers a
 status code the shim can act on; none binds without a reservation.
 """
 
@@ -93,7 +95,8 @@ class _Cached:
 @dataclass
 class _Reservation:
     plan: PodPlan
-    patched: dict[str, str] | None = None  # what PreBind wrote, for Unreserve to take back
+    # What PreBind wrote or handed to the shim's Binding, for Unreserve to take back.
+    patched: dict[str, str] | None = None
     writing: dict[str, str] | None = None  # what PreBind is writing now (patch in flight)
     # Unreserve came: a PreBind still waiting must not write; one whose patch is in flight
     # takes its annotations back itself when the patch returns.
@@ -392,7 +395,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             if res.cancelled:  # unreserved while this PreBind waited: write nothing
                 self._cache.release_claim(key)
                 _abort(grpc.StatusCode.ABORTED, f"pod {key} was unreserved; not binding it")
-            res.writing = annotations
+            if request.hand_over:
+                # The shim's Binding carries them (nodeName and annotations in one write):
+                # from now on they may be on the pod, so Unreserve looks before releasing.
+                res.patched = annotations
+            else:
+                res.writing = annotations
+        if request.hand_over:
+            log.info("bind annotations handed over", pod=key, node=node)
+            return pb.PreBindResponse(annotations=annotations)
         body: dict[str, Any] = {"metadata": {"annotations": annotations}}
         if request.pod.uid:
             body["metadata"]["uid"] = request.pod.uid  # never annotate a recreated namesake
@@ -566,8 +577,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                         node=bound_to,
                     )
                     return False
-                version = (pod.get("metadata") or {}).get("resourceVersion")
-                self._kube.merge_patch(path, undo, resource_version=version)
+                meta = pod.get("metadata") or {}
+                if not any(k in (meta.get("annotations") or {}) for k in patched):
+                    return True  # none on the pod (a Binding that carried them failed)
+                self._kube.merge_patch(path, undo, resource_version=meta.get("resourceVersion"))
                 return True
             except NotFoundError:
                 return True

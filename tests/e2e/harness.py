@@ -276,6 +276,9 @@ class PodWatcher:
     pods: dict[str, Obj] = field(default_factory=dict)
     bound_at: dict[str, float] = field(default_factory=dict)
     success_at: dict[str, float] = field(default_factory=dict)
+    # Pods seen carrying a device allocation while unbound, or bound (GPU pods) without one.
+    annotated_unbound: set[str] = field(default_factory=set)
+    bound_bare: set[str] = field(default_factory=set)
     error: BaseException | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -311,6 +314,11 @@ class PodWatcher:
                 self.pods.pop(name, None)
                 return
             self.pods[name] = pod
+            allocated = ann.DEVICES_ALLOCATED in annots(pod)
+            if not node_of(pod) and allocated:
+                self.annotated_unbound.add(name)
+            if node_of(pod) and wants_gpu(pod) and not allocated:
+                self.bound_bare.add(name)
             if node_of(pod):
                 self.bound_at.setdefault(name, now)
                 if annots(pod).get(ann.BIND_PHASE) == "success":

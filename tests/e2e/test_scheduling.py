@@ -339,6 +339,10 @@ def test_burst_invariants(burst_cluster: E2ECluster) -> None:
         print(f"\ncreated {len(pods)} pods in {time.monotonic() - t0:.1f}s")
         state = _settle(c, watcher, {p["metadata"]["name"] for p in pods}, SETTLE_S)
         _report_and_check(c, "burst", watcher, pods, t0, state, expect_pending=True)
+        # Tessera's Bind writes node and devices in one Binding: no event shows a pod
+        # annotated while unbound (the patch path) or a GPU pod bound without its devices.
+        assert not watcher.annotated_unbound, sorted(watcher.annotated_unbound)[:10]
+        assert not watcher.bound_bare, sorted(watcher.bound_bare)[:10]
 
 
 def test_burst_survives_plugin_server_restart(burst_cluster: E2ECluster) -> None:

@@ -5,9 +5,10 @@ free loopback ports), a dev cluster whose ``tessera-scheduler`` and plugin serve
 (OTEL_* variables through ``start_stack(tracing_env=...)``), schedules a GPU pod and reads its
 trace back from Jaeger's HTTP API: the shim's root span with its PreFilter/Reserve/PreBind
 client spans, each the parent of the plugin server's span for that RPC, which holds the
-server's own work (decide, reserve, prebind.wait, prebind.patch); and the plugin server's JSON
-log line of the reservation names that trace. Skipped only when the ``jaeger`` binary is not
-built. Typically 35-50 s on a 2-core machine (the cluster's start is most of it).
+server's own work (decide, reserve, prebind.wait), and its tessera.Bind span (the Binding
+write); the plugin server's JSON log line of the reservation names that trace. Skipped only
+when the ``jaeger`` binary is not built. Typically 35-50 s on a 2-core machine (the cluster's
+start is most of it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ RPC: Final = "tessera.plugin.v1.Scheduler"
 CALLS: Final = {
     "tessera.PreFilter": (f"{RPC}/PreFilter", ("decide",)),
     "tessera.Reserve": (f"{RPC}/Reserve", ("reserve",)),
-    "tessera.PreBind": (f"{RPC}/PreBind", ("prebind.wait", "prebind.patch")),
+    # Tessera's Bind writes the annotations in the Binding: the server only waits.
+    "tessera.PreBind": (f"{RPC}/PreBind", ("prebind.wait",)),
 }
 NODES: Final = 2
 TRACE_WAIT_S: Final = 30.0
@@ -191,8 +193,11 @@ def problems(spans: Mapping[str, Span], pod: str) -> list[str]:
     root = roots[0]
     if root.parent_id or root.tags.get("k8s.pod.name") != pod:
         out.append(f"root: parent {root.parent_id!r}, pod {root.tags.get('k8s.pod.name')!r}")
-    if root.tags.get("tessera.outcome") != "prebound":
-        out.append(f"root outcome {root.tags.get('tessera.outcome')!r}, want prebound")
+    if root.tags.get("tessera.outcome") != "bound":
+        out.append(f"root outcome {root.tags.get('tessera.outcome')!r}, want bound")
+    binds = [s for s in spans.values() if s.name == "tessera.Bind" and s.parent_id == root.span_id]
+    if len(binds) != 1 or binds[0].service != SCHEDULER_SERVICE:
+        out.append(f"tessera.Bind: {len(binds)} shim spans under the root")
     for call_name, (server_name, work) in CALLS.items():
         calls = [s for s in spans.values() if s.name == call_name and s.parent_id == root.span_id]
         if len(calls) != 1 or calls[0].service != SCHEDULER_SERVICE:

@@ -65,6 +65,14 @@ class FakeKube:
                 e, self.fail_with = self.fail_with, None
                 raise e
             self.patches.append((path, json.loads(json.dumps(patch))))
+            # Later GETs see the patch's annotations (None removes one), as the API would.
+            obj = self.objects.setdefault(path, {"metadata": {"resourceVersion": "1"}, "spec": {}})
+            have = obj["metadata"].setdefault("annotations", {})
+            for k, v in ((patch.get("metadata") or {}).get("annotations") or {}).items():
+                if v is None:
+                    have.pop(k, None)
+                else:
+                    have[k] = v
         return {}
 
     def post(self, path: str, body: object) -> Any:
@@ -148,9 +156,12 @@ class Harness:
         self.reserve(pod["metadata"]["name"], node, r.decision_id)
         return node
 
-    def prebind(self, name: str, node: str, timeout: float = 10) -> pb.PreBindResponse:
+    def prebind(
+        self, name: str, node: str, timeout: float = 10, *, hand_over: bool = False
+    ) -> pb.PreBindResponse:
         return self.stub.PreBind(  # type: ignore[no-any-return]
-            pb.PreBindRequest(version=V1, pod=ref(name), node=node), timeout=timeout
+            pb.PreBindRequest(version=V1, pod=ref(name), node=node, hand_over=hand_over),
+            timeout=timeout,
         )
 
 
@@ -445,6 +456,50 @@ def test_unreserve_after_prebind_takes_the_annotations_back(h: Harness) -> None:
     assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
 
 
+def test_prebind_hand_over_writes_nothing_and_answers_the_same_annotations(h: Harness) -> None:
+    """The shim's Binding carries the annotations: the server writes nothing, and the
+    annotations are those it would have patched (the node agent reads the same)."""
+    h.cache.apply_node(node_obj("n", mig_gpu("GPU-m")))
+    h.schedule(make_pod("p").gpu(2, mem=8000).mode("mig").build(), "n")
+    handed = h.prebind("p", "n", hand_over=True).annotations
+    assert h.kube.patches == []
+    assert {k: v for k, v in handed.items() if k != ann.MIG_ALLOCATIONS} == MIG_EXPECTED
+    assert len(json.loads(handed[ann.MIG_ALLOCATIONS])) == 2
+    # The node is claimed for them until the watch shows the pod bound with them.
+    assert "default/p" in h.cache.allocating("n")
+
+
+def test_unreserve_after_a_failed_hand_over_binding_releases_without_a_write(
+    h: Harness,
+) -> None:
+    """The Binding that carried the annotations failed: the pod shows none and is unbound,
+    so the devices go back at once and nothing is patched."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    empty = h.cache.state.usage_snapshot()
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    h.prebind("p", "n", hand_over=True)
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert h.kube.patches == []
+    assert h.cache.state.usage_snapshot() == empty
+    assert "default/p" not in h.cache.allocating("n")
+
+
+def test_unreserve_after_a_hand_over_keeps_a_pod_whose_binding_went_through(h: Harness) -> None:
+    """The Binding's answer was lost but it landed: the pod is bound with the annotations,
+    which are its allocation; they stay and keep counting."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    h.schedule(make_pod("p").gpu(1, mem=1000).build(), "n")
+    handed = dict(h.prebind("p", "n", hand_over=True).annotations)
+    h.kube.objects["/api/v1/namespaces/default/pods/p"] = {
+        "metadata": {"resourceVersion": "7", "annotations": handed},
+        "spec": {"nodeName": "n"},
+    }
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert h.kube.patches == []
+    assert h.cache.state.allocation("default/p") is not None
+    assert "default/p" in h.cache.allocating("n")
+
+
 def test_unreserve_keeps_the_annotations_of_a_pod_bound_after_all(h: Harness) -> None:
     """The Bind's answer was lost (the apiserver restarted) but the Bind went through: the
     annotations are the bound pod's allocation and must stay."""
@@ -538,7 +593,7 @@ def test_prefilter_takes_back_annotations_left_over_by_an_earlier_server(h: Harn
     pod = _left_over("p", "n", "GPU-1", 6000)
     h.cache.apply_pod(pod)
     h.kube.objects["/api/v1/namespaces/default/pods/p"] = {
-        "metadata": {"resourceVersion": "9"},
+        "metadata": {"resourceVersion": "9", "annotations": dict(pod["metadata"]["annotations"])},
         "spec": {},
     }
     r = h.prefilter(pod)

@@ -93,14 +93,16 @@ class UnreserveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PreBindRequest(_message.Message):
-    __slots__ = ("version", "pod", "node")
+    __slots__ = ("version", "pod", "node", "hand_over")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     pod: PodRef
     node: str
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ...) -> None: ...
+    hand_over: bool
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class PreBindResponse(_message.Message):
     __slots__ = ("annotations",)

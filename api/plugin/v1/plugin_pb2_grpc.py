@@ -86,8 +86,9 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PreBind(self, request, context):
-        """Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
-        only for an earlier pod on that node that the node agent could not tell apart.
+        """The reservation's annotations for the pod: answered for the shim's Binding to carry
+        (hand_over), else written by the server in one patch. Waits first (bounded) only for an
+        earlier pod on that node that the node agent could not tell apart.
         RESOURCE_EXHAUSTED: that pod is still allocating (this call's wait ended, or every
         server worker that may wait is taken); nothing was written and the reservation stands:
         the client asks again (paced) until its own deadline instead of failing the cycle.

@@ -546,10 +546,15 @@ func (*UnreserveResponse) Descriptor() ([]byte, []int) {
 }
 
 type PreBindRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Version       ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
-	Pod           *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
-	Node          string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Version ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
+	Pod     *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
+	Node    string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	// The shim binds the pod itself with the annotations in the Binding's metadata (its Bind
+	// plugin runs before DefaultBinder), so the pod's annotations and nodeName land in one
+	// write: the server writes nothing and answers the annotations. False: the server writes
+	// them in a merge patch before the pod is bound (one more API write per pod).
+	HandOver      bool `protobuf:"varint,4,opt,name=hand_over,json=handOver,proto3" json:"hand_over,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -605,9 +610,17 @@ func (x *PreBindRequest) GetNode() string {
 	return ""
 }
 
+func (x *PreBindRequest) GetHandOver() bool {
+	if x != nil {
+		return x.HandOver
+	}
+	return false
+}
+
 type PreBindResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The annotations written, for logs and tests.
+	// The reservation's annotations: written by the server, or (hand_over) for the shim's
+	// Binding to carry.
 	Annotations   map[string]string `protobuf:"bytes,1,rep,name=annotations,proto3" json:"annotations,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -794,11 +807,12 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
 	"\x04node\x18\x03 \x01(\tR\x04node\"\x13\n" +
-	"\x11UnreserveResponse\"\x8f\x01\n" +
+	"\x11UnreserveResponse\"\xac\x01\n" +
 	"\x0ePreBindRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
-	"\x04node\x18\x03 \x01(\tR\x04node\"\xa8\x01\n" +
+	"\x04node\x18\x03 \x01(\tR\x04node\x12\x1b\n" +
+	"\thand_over\x18\x04 \x01(\bR\bhandOver\"\xa8\x01\n" +
 	"\x0fPreBindResponse\x12U\n" +
 	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.PreBindResponse.AnnotationsEntryR\vannotations\x1a>\n" +
 	"\x10AnnotationsEntry\x12\x10\n" +

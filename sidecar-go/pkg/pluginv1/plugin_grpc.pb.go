@@ -44,8 +44,9 @@ type SchedulerClient interface {
 	Reserve(ctx context.Context, in *ReserveRequest, opts ...grpc.CallOption) (*ReserveResponse, error)
 	// Release what Reserve counted; idempotent.
 	Unreserve(ctx context.Context, in *UnreserveRequest, opts ...grpc.CallOption) (*UnreserveResponse, error)
-	// Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
-	// only for an earlier pod on that node that the node agent could not tell apart.
+	// The reservation's annotations for the pod: answered for the shim's Binding to carry
+	// (hand_over), else written by the server in one patch. Waits first (bounded) only for an
+	// earlier pod on that node that the node agent could not tell apart.
 	// RESOURCE_EXHAUSTED: that pod is still allocating (this call's wait ended, or every
 	// server worker that may wait is taken); nothing was written and the reservation stands:
 	// the client asks again (paced) until its own deadline instead of failing the cycle.
@@ -124,8 +125,9 @@ type SchedulerServer interface {
 	Reserve(context.Context, *ReserveRequest) (*ReserveResponse, error)
 	// Release what Reserve counted; idempotent.
 	Unreserve(context.Context, *UnreserveRequest) (*UnreserveResponse, error)
-	// Persist the reservation in the pod's annotations (one patch), waiting first (bounded)
-	// only for an earlier pod on that node that the node agent could not tell apart.
+	// The reservation's annotations for the pod: answered for the shim's Binding to carry
+	// (hand_over), else written by the server in one patch. Waits first (bounded) only for an
+	// earlier pod on that node that the node agent could not tell apart.
 	// RESOURCE_EXHAUSTED: that pod is still allocating (this call's wait ended, or every
 	// server worker that may wait is taken); nothing was written and the reservation stands:
 	// the client asks again (paced) until its own deadline instead of failing the cycle.

@@ -27,19 +27,21 @@ import (
 type fakeServer struct {
 	pluginv1.UnimplementedSchedulerServer
 
-	mu         sync.Mutex
-	calls      map[string]int
-	preFilter  *pluginv1.PreFilterResponse
-	err        error         // returned by every method when set
-	delay      time.Duration // before answering
-	lastPF     *pluginv1.PreFilterRequest
-	lastRes    *pluginv1.ReserveRequest
-	lastUnres  *pluginv1.UnreserveRequest
-	lastBind   *pluginv1.PreBindRequest
-	bindWaits  int    // PreBind answers ResourceExhausted ("ask again") this many times first
-	explain    string // Explain's answer
-	lastExpl   *pluginv1.ExplainRequest
-	traceparts []string
+	mu        sync.Mutex
+	calls     map[string]int
+	preFilter *pluginv1.PreFilterResponse
+	err       error         // returned by every method when set
+	delay     time.Duration // before answering
+	lastPF    *pluginv1.PreFilterRequest
+	lastRes   *pluginv1.ReserveRequest
+	lastUnres *pluginv1.UnreserveRequest
+	lastBind  *pluginv1.PreBindRequest
+	bindWaits int // PreBind answers ResourceExhausted ("ask again") this many times first
+	// noAnnotations: PreBind answers no annotations (a broken server).
+	noAnnotations bool
+	explain       string // Explain's answer
+	lastExpl      *pluginv1.ExplainRequest
+	traceparts    []string
 }
 
 func (s *fakeServer) record(ctx context.Context, method string) error {
@@ -100,6 +102,9 @@ func (s *fakeServer) PreBind(ctx context.Context, req *pluginv1.PreBindRequest) 
 	if s.bindWaits > 0 {
 		s.bindWaits--
 		return nil, status.Error(codes.ResourceExhausted, "node n1 still allocating default/q; ask again")
+	}
+	if s.noAnnotations {
+		return &pluginv1.PreBindResponse{}, nil
 	}
 	return &pluginv1.PreBindResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
 }

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -156,6 +157,12 @@ type Plugin struct {
 	tracing tracing
 	// closeConn releases the gRPC connection; nil when the client was injected.
 	closeConn func() error
+	// handle is kube-scheduler's framework (nil in tests that bind nothing).
+	handle fwk.Handle
+	// handsOver: Tessera's Bind runs first, so PreBind leaves the annotations to it
+	// (bindsFirst decides once).
+	bindOrder sync.Once
+	handsOver bool
 }
 
 var (
@@ -167,12 +174,13 @@ var (
 	_ fwk.ScoreExtensions   = &Plugin{}
 	_ fwk.ReservePlugin     = &Plugin{}
 	_ fwk.PreBindPlugin     = &Plugin{}
+	_ fwk.BindPlugin        = &Plugin{}
 	_ fwk.SignPlugin        = &Plugin{}
 	_ fwk.EnqueueExtensions = &Plugin{}
 )
 
 // New is the plugin factory registered with app.WithPlugin.
-func New(ctx context.Context, obj runtime.Object, _ fwk.Handle) (fwk.Plugin, error) {
+func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, error) {
 	args, err := decodeArgs(obj)
 	if err != nil {
 		return nil, err
@@ -183,6 +191,7 @@ func New(ctx context.Context, obj runtime.Object, _ fwk.Handle) (fwk.Plugin, err
 	}
 	p := newPlugin(args, pluginv1.NewSchedulerClient(conn))
 	p.closeConn = conn.Close
+	p.handle = h
 	return p, nil
 }
 

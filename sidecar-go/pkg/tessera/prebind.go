@@ -31,8 +31,10 @@ func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, _ *v1
 	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
 }
 
-// PreBind asks the server to persist the reservation in the pod's annotations. Any failure is an
-// Error so kube-scheduler unreserves and retries the pod instead of binding it without one.
+// PreBind asks the server for the reservation's annotations: Bind then carries them in the
+// Binding (hand-over), or, when Tessera is not the first bind plugin, the server writes them
+// before DefaultBinder binds. Any failure is an Error so kube-scheduler unreserves and retries
+// the pod instead of binding it without them.
 func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
 	if _, err := readDecision(state); err != nil {
 		return nil
@@ -40,10 +42,12 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanPreBind, "PreBind", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.BindTimeout.Duration)
 	defer cancel()
+	handOver := p.bindsFirst(ctx)
 	req := &pluginv1.PreBindRequest{
-		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
-		Pod:     podRef(pod),
-		Node:    nodeName,
+		Version:  pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
+		Pod:      podRef(pod),
+		Node:     nodeName,
+		HandOver: handOver,
 	}
 	resp, err := p.client.PreBind(callCtx, req)
 	// ResourceExhausted: the node is still allocating an earlier pod the node agent could not
@@ -67,8 +71,16 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 		traced.finish(OutcomeError)
 		return rpcFailure("PreBind", p.args.BindTimeout.Duration, err)
 	}
-	traced.finish(OutcomeBound)
-	klog.FromContext(ctx).V(4).Info("PreBind wrote annotations", "plugin", Name, "pod", klog.KObj(pod),
-		"node", nodeName, "annotations", len(resp.GetAnnotations()))
+	if handOver {
+		if len(resp.GetAnnotations()) == 0 {
+			traced.finish(OutcomeError)
+			return fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreBind: no annotations handed over for pod %s/%s", pod.Namespace, pod.Name))
+		}
+		state.Write(bindKey, &handedOver{annotations: resp.GetAnnotations()})
+	} else {
+		traced.finish(OutcomePreBound) // Bind's span ends the attempt after a hand-over
+	}
+	klog.FromContext(ctx).V(4).Info("PreBind got annotations", "plugin", Name, "pod", klog.KObj(pod),
+		"node", nodeName, "annotations", len(resp.GetAnnotations()), "handOver", handOver)
 	return nil
 }

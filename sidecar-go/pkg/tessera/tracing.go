@@ -5,8 +5,9 @@ package tessera
 // interceptor puts the client span's context into the call's gRPC metadata, so the plugin
 // server's spans join the same trace as children of the call that caused them.
 //
-// The root ends where Tessera's part of the attempt ends: at PreBind, at Unreserve, or at
-// PreFilter when the answer is not OK. When another plugin rejects every node after an OK
+// The root ends where Tessera's part of the attempt ends: at Bind (when PreBind handed the
+// annotations over), at PreBind (otherwise), at Unreserve, or at PreFilter when the answer is
+// not OK. When another plugin rejects every node after an OK
 // PreFilter, no Tessera hook runs again; the root then ends attemptGrace later, stamped with
 // PreFilter's end time and outcome "not-reserved", so the trace is never left without its root.
 //
@@ -38,6 +39,8 @@ const (
 	SpanReserve   = "tessera.Reserve"
 	SpanUnreserve = "tessera.Unreserve"
 	SpanPreBind   = "tessera.PreBind"
+	// SpanBind is the Binding write (an API call, no RPC).
+	SpanBind = "tessera.Bind"
 )
 
 // Attribute keys; the plugin server uses the same ones.
@@ -64,7 +67,10 @@ const (
 	OutcomeError         = "error"
 	OutcomeNotReserved   = "not-reserved"
 	OutcomeUnreserved    = "unreserved"
-	OutcomeBound         = "prebound"
+	// OutcomePreBound: the server wrote the annotations; DefaultBinder binds.
+	OutcomePreBound = "prebound"
+	// OutcomeBound: Tessera's Bind wrote the Binding with the annotations.
+	OutcomeBound = "bound"
 )
 
 const (
@@ -152,6 +158,20 @@ func (t tracing) startPhase(ctx context.Context, state fwk.CycleState, name, met
 		a.span.SetAttributes(AttrNode.String(node))
 	}
 	callCtx, span := t.startCall(ctx, name, method, pod, node)
+	return callCtx, call{span: span, attempt: a}
+}
+
+// startBind starts the span of Bind's Binding write under the attempt's root.
+func (t tracing) startBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, node string) (context.Context, call) {
+	if t.tracer == nil {
+		return ctx, call{}
+	}
+	a := readAttempt(state)
+	if a != nil {
+		ctx = trace.ContextWithSpan(ctx, a.span)
+	}
+	callCtx, span := t.tracer.Start(ctx, SpanBind, trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(append(podAttributes(pod), AttrNode.String(node))...))
 	return callCtx, call{span: span, attempt: a}
 }
 

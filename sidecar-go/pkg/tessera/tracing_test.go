@@ -95,7 +95,7 @@ func TestOneTracePerAttemptWithCallSpansInMetadata(t *testing.T) {
 		t.Errorf("root has parent %v", root.Parent())
 	}
 	for k, want := range map[attribute.Key]string{
-		AttrNamespace: "default", AttrPod: "p", AttrPodUID: "uid-p", AttrNode: "n2", AttrOutcome: OutcomeBound,
+		AttrNamespace: "default", AttrPod: "p", AttrPodUID: "uid-p", AttrNode: "n2", AttrOutcome: OutcomePreBound,
 	} {
 		if got := attr(root, k); got != want {
 			t.Errorf("root %s = %q, want %q", k, got, want)
@@ -262,7 +262,7 @@ func TestReserveStopsTheAttemptTimer(t *testing.T) {
 		}
 	}
 	p.PreBind(context.Background(), state, pod, "n1")
-	if got := attr(ended(t, rec).get(t, SpanAttempt), AttrOutcome); got != OutcomeBound {
+	if got := attr(ended(t, rec).get(t, SpanAttempt), AttrOutcome); got != OutcomePreBound {
 		t.Errorf("root outcome %q", got)
 	}
 }
