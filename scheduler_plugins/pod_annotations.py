@@ -9,6 +9,7 @@ All decoders are strict: anything off the format raises InvalidAnnotationError.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -143,6 +144,23 @@ _RUNTIME_KEYS = ("migUUID", "gpuInstanceID", "computeInstanceID")
 
 
 def decode_mig_allocations(value: str, *, obj: str = "") -> tuple[MigAllocation, ...]:
+    """The MIG devices ``hami.io/vgpu-mig-allocations`` reserves (``obj`` names the pod in
+    errors). Valid values are memoized: the result is immutable, and the node agent re-reads
+    every MIG pod of a node each time it works out that node's desired instances."""
+    if not isinstance(value, str):
+        return _decode_mig_allocations(value, obj)
+    try:
+        return _decode_valid_mig_allocations(value)
+    except InvalidAnnotationError:
+        return _decode_mig_allocations(value, obj)  # raises, naming ``obj``
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_valid_mig_allocations(value: str) -> tuple[MigAllocation, ...]:
+    return _decode_mig_allocations(value, "")
+
+
+def _decode_mig_allocations(value: str, obj: str) -> tuple[MigAllocation, ...]:
     def bad(problem: str) -> InvalidAnnotationError:
         return InvalidAnnotationError(MIG_ALLOCATIONS, problem, obj=obj)
 

@@ -263,8 +263,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             started = self._clock()
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
-            names = [str(decision.layout.names[i]) for i in feasible.tolist()]
-            queued = self._queued(req, names)
+            all_names = decision.layout.names
+            names = [all_names[i] for i in feasible.tolist()]
+            queued = self._queued(req, decision, feasible)
             scores = normalize_scores(decision.desirability[feasible], queued)
             # Explaining evaluates every rejected node in full: only when no node fits is it
             # needed now; otherwise Explain answers if the cycle fails for other reasons.
@@ -502,17 +503,27 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         _check_same_pod(decision.request.key, key, ident)
         return decision
 
-    def _queued(self, req: PodRequest, names: list[str]) -> npt.NDArray[np.int64] | None:
-        """Per feasible node, how many in-flight pods PreBind of ``req`` would wait for
-        there (the node agent could not tell them apart). Scoring busy nodes last spreads a
-        burst over node agents instead of queueing it behind one (binpack order holds
-        among the others)."""
-        if not names:
+    def _queued(
+        self, req: PodRequest, decision: Decision, feasible: npt.NDArray[np.intp]
+    ) -> npt.NDArray[np.int64] | None:
+        """Per feasible node (``feasible``: the decision's node indices), how many in-flight
+        pods PreBind of ``req`` would wait for there (the node agent could not tell them
+        apart). Scoring busy nodes last spreads a burst over node agents instead of queueing
+        it behind one (binpack order holds among the others). The cost follows the busy
+        nodes, not the feasible ones (a Python loop over 800 feasible names was a quarter
+        of the server's CPU in a 1000-node drain)."""
+        if not feasible.size:
             return None
         busy = self._cache.busy_nodes(_device_counts(req))
         if not busy:
             return None
-        return np.fromiter((busy.get(n, 0) for n in names), dtype=np.int64, count=len(names))
+        per_node = np.zeros(len(decision.layout.names), dtype=np.int64)
+        index = decision.layout.seg_index
+        for node, queued in busy.items():
+            i = index.get(node)
+            if i is not None:
+                per_node[i] = queued
+        return per_node[feasible]
 
     def _refuse_bound(self, key: str) -> None:
         """A pod the watch shows bound is not reserved or annotated again: the scheduler
