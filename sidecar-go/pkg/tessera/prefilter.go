@@ -54,6 +54,9 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Po
 	resp, err := p.askPreFilter(ctx, pod)
 	res, st := answerPreFilter(state, resp, err, p.args.Timeout.Duration)
 	traced.endPreFilter(st, resp, err, p.tracing.grace)
+	if st.IsSuccess() {
+		trimFitRequests(state, p.resources[1:])
+	}
 	return res, st
 }
 
