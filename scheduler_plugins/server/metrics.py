@@ -712,6 +712,13 @@ class SchedulingMetrics:
             buckets=DECISION_BUCKETS,
             registry=self.registry,
         )
+        self.decision_cpu_seconds = Histogram(
+            "tessera_scheduler_decision_cpu_seconds",
+            "CPU time of the deciding thread for one PreFilter decision (without the waits for "
+            "a CPU or the interpreter lock that the wall-clock duration includes)",
+            buckets=DECISION_BUCKETS,
+            registry=self.registry,
+        )
         self.rpc_seconds = Histogram(
             "tessera_scheduler_rpc_duration_seconds",
             "Time the plugin server takes to answer one RPC of the shim, by method and status",
@@ -742,9 +749,14 @@ class SchedulingMetrics:
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(method, code).observe(seconds)
 
-    def observe_decision(self, seconds: float, pending: int = 0) -> None:
-        """One decision; ``pending``: its ``rejection_reasons`` when no node fits, else 0."""
+    def observe_decision(
+        self, seconds: float, pending: int = 0, *, cpu_seconds: float | None = None
+    ) -> None:
+        """One decision; ``pending``: its ``rejection_reasons`` when no node fits, else 0;
+        ``cpu_seconds``: the deciding thread's CPU time for it."""
         self.decision_seconds.observe(seconds)
+        if cpu_seconds is not None:
+            self.decision_cpu_seconds.observe(cpu_seconds)
         for reason in Reason:
             if pending & reason:
                 self.pending_reasons.labels(reason_label(reason)).inc()

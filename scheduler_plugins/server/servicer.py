@@ -260,7 +260,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         ident = req.uid or req.key
         self._clear_leftover(req.key, ident, meta, pod.get("spec"))
         with self._tracing.span("decide"), self._cache.lock:
-            started = self._clock()
+            started, cpu_started = self._clock(), time.thread_time()
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
             all_names = decision.layout.names
@@ -272,7 +272,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             why = explain(decision, self._cache.state) if not names else ""
             per_node = node_reasons(why) if why else ""
             pending = rejection_reasons(decision) if not names else 0
-            self._metrics.observe_decision(self._clock() - started, pending)
+            self._metrics.observe_decision(
+                self._clock() - started, pending, cpu_seconds=time.thread_time() - cpu_started
+            )
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
             _put(self._requests, ident, req)

@@ -80,7 +80,17 @@ def _result() -> dict[str, Any]:
             "p50": 1.5,
             "p90": 3.0,
             "p99": 8.0,
-        }
+        },
+        {
+            "name": "tessera_scheduler_decision_cpu_seconds",
+            "labels": {},
+            "count": 10,
+            "unit": "ms",
+            "mean": 1.0,
+            "p50": 0.9,
+            "p90": 1.5,
+            "p99": 2.5,
+        },
     ]
     runs = []
     for nodes in (1000, 5000):
@@ -117,6 +127,8 @@ def test_targets_are_evaluated_on_the_node_counts_run() -> None:
     assert at1000.met is False and at1000.measured == pytest.approx(0.5)
     decision = got["p99 plugin decision (PreFilter) ≤ 10 ms at 5000 nodes"]
     assert (decision.measured, decision.met) == (8.0, True)
+    cpu = next(t for w, t in got.items() if w.startswith("p99 plugin decision CPU time"))
+    assert (cpu.measured, cpu.met) == (2.5, True)
     rss = next(t for w, t in got.items() if w.startswith("plugin server peak RSS"))
     assert (rss.measured, rss.met) == (300.0, True)
     assert targets({"runs": []}) == []

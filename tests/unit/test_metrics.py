@@ -471,8 +471,8 @@ def test_decisions_count_by_outcome_and_pending_reasons_by_kind() -> None:
             )
             == 0
         )
-    m.observe_decision(0.002, int(Reason.MEMORY | Reason.MIG_FRAGMENTATION))
-    m.observe_decision(0.004, int(Reason.MEMORY))
+    m.observe_decision(0.002, int(Reason.MEMORY | Reason.MIG_FRAGMENTATION), cpu_seconds=0.0015)
+    m.observe_decision(0.004, int(Reason.MEMORY), cpu_seconds=0.001)
     m.observe_decision(0.001)
     m.count_answer(pb.PreFilterResponse.UNSCHEDULABLE)
     m.count_answer(pb.PreFilterResponse.OK)
@@ -495,6 +495,10 @@ def test_decisions_count_by_outcome_and_pending_reasons_by_kind() -> None:
     assert (
         sample_value(registry, "tessera_scheduler_decision_duration_seconds_bucket", le="0.0025")
         == 2
+    )
+    assert sample_value(registry, "tessera_scheduler_decision_cpu_seconds_count") == 2
+    assert sample_value(registry, "tessera_scheduler_decision_cpu_seconds_sum") == (
+        pytest.approx(0.0025)
     )
 
 

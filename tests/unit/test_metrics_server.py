@@ -354,6 +354,7 @@ def test_servicer_counts_answers_reasons_and_rpc_codes(
     assert pending == {"memory": 1, "no_gpu": 1, "cores": 0, "slots": 0}
     # Two decisions ran (skip and invalid answer before deciding).
     assert value(registry, "tessera_scheduler_decision_duration_seconds_count") == 2
+    assert value(registry, "tessera_scheduler_decision_cpu_seconds_count") == 2
     rpc = "tessera_scheduler_rpc_duration_seconds_count"
     assert value(registry, rpc, method="PreFilter", code="OK") == 4
     assert value(registry, rpc, method="Reserve", code="ABORTED") == 1
