@@ -81,11 +81,13 @@ def start_stack(
     timeout_s: float = 60.0,
     webhook: bool = True,
     tracing_env: Mapping[str, str] | None = None,
+    tessera_args: Mapping[str, object] | None = None,
 ) -> StackPaths:
     """Start the three processes and wait until each is ready; stop all on failure.
     ``webhook``: then also Tessera's admission webhook (``devcluster.webhook``).
     ``tracing_env``: OTEL_* variables for the scheduler and the plugin server on top of the
-    environment every component inherits (tracing is off unless OTEL_TRACES_EXPORTER is set)."""
+    environment every component inherits (tracing is off unless OTEL_TRACES_EXPORTER is set).
+    ``tessera_args``: Tessera plugin args replacing the example profile's (tests)."""
     paths = StackPaths.of(s)
     scheduler_bin = s.binary(SCHEDULER)
     if not scheduler_bin.is_file():
@@ -93,7 +95,7 @@ def start_stack(
     paths.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths.agent_state.mkdir(parents=True, exist_ok=True)
     _record_metrics_address(paths.metrics_address)
-    _write_scheduler_config(paths.scheduler_config, s.kubeconfig, paths.socket)
+    _write_scheduler_config(paths.scheduler_config, s.kubeconfig, paths.socket, tessera_args)
     try:
         for component in STACK:
             _spawn_ready(
@@ -229,13 +231,16 @@ def stop_stack(s: ClusterSettings) -> list[str]:
     return stopped
 
 
-def _write_scheduler_config(path: Path, kubeconfig: Path, socket: Path) -> None:
+def _write_scheduler_config(
+    path: Path, kubeconfig: Path, socket: Path, tessera_args: Mapping[str, object] | None = None
+) -> None:
     template = repo_root() / "examples" / "scheduler-config.yaml"
     cfg: dict[str, Any] = yaml.safe_load(template.read_text())
     cfg["clientConnection"]["kubeconfig"] = str(kubeconfig)
     for profile in cfg["profiles"]:
         for plugin in profile.get("pluginConfig", []):
             if plugin.get("name") == "Tessera":
+                plugin["args"].update(tessera_args or {})
                 plugin["args"]["socket"] = str(socket)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 

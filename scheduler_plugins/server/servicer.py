@@ -263,10 +263,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             started, cpu_started = self._clock(), time.thread_time()
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
-            all_names = decision.layout.names
-            names = [all_names[i] for i in feasible.tolist()]
             queued = self._queued(req, decision, feasible)
             scores = normalize_scores(decision.desirability[feasible], queued)
+            feasible, scores, total = _candidates(feasible, scores, request.candidate_nodes)
+            all_names = decision.layout.names
+            names = [all_names[i] for i in feasible.tolist()]
             # Explaining evaluates every rejected node in full: only when no node fits is it
             # needed now; otherwise Explain answers if the cycle fails for other reasons.
             why = explain(decision, self._cache.state) if not names else ""
@@ -295,6 +296,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             scores=scores,
             infeasible_message=per_node,
             decision_id=decision_id,
+            feasible_total=total,
         )
 
     def _explain(
@@ -690,6 +692,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "plugin server is rebuilding its cluster state from the API; retry shortly",
             )
+
+
+def _candidates(
+    feasible: npt.NDArray[np.intp], scores: list[int], limit: int
+) -> tuple[npt.NDArray[np.intp], list[int], int]:
+    """The ``limit`` best-scored of the feasible nodes (ties: in node order), in node
+    order, and how many were feasible (0 when all are kept)."""
+    if not limit or feasible.size <= limit:
+        return feasible, scores, 0
+    keep = np.sort(np.argsort(-np.asarray(scores, dtype=np.int64), kind="stable")[:limit])
+    return feasible[keep], [scores[i] for i in keep.tolist()], int(feasible.size)
 
 
 def _device_counts(req: PodRequest) -> frozenset[int]:

@@ -39,6 +39,22 @@ def small_cluster(
 
 
 @pytest.fixture
+def one_candidate_cluster(
+    built_tools: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[E2ECluster]:
+    """The small cluster with kube-scheduler given only Tessera's best node per GPU pod."""
+    state = tmp_path_factory.mktemp("e2e-cand")
+    with tessera_cluster(
+        state,
+        "e2e-cand",
+        HERE / "nodes-small.yaml",
+        SMALL_NODES,
+        tessera_args={"candidateNodes": 1},
+    ) as c:
+        yield c
+
+
+@pytest.fixture
 def burst_cluster(
     built_tools: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[E2ECluster]:

@@ -237,10 +237,17 @@ def _mentioning(marker: str) -> list[int]:
 
 @contextlib.contextmanager
 def tessera_cluster(
-    state_dir: Path, name: str, profile: Path, node_count: int, *, timeout_s: float = 120.0
+    state_dir: Path,
+    name: str,
+    profile: Path,
+    node_count: int,
+    *,
+    timeout_s: float = 120.0,
+    tessera_args: Mapping[str, object] | None = None,
 ) -> Iterator[E2ECluster]:
     """A dev cluster with the profile's fake GPU nodes and Tessera's stack; torn down (purged)
-    on exit, failing if any of its processes outlives ``down``."""
+    on exit, failing if any of its processes outlives ``down``. ``tessera_args`` override the
+    example profile's Tessera plugin args."""
     settings = settings_in(state_dir, name)
     cluster = Cluster(settings)
     t0 = time.monotonic()
@@ -249,7 +256,7 @@ def tessera_cluster(
         with info.api() as api:
             names = add_nodes(api, load_profile(profile), node_count)
             wait_ready(api, names, timeout_s=timeout_s)
-            start_stack(settings, timeout_s=60.0)
+            start_stack(settings, timeout_s=60.0, tessera_args=tessera_args)
             log.info("e2e.cluster_ready", cluster=name, seconds=round(time.monotonic() - t0, 1))
             yield E2ECluster(settings, api, _registers(api, names))
     finally:

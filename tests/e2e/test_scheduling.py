@@ -21,6 +21,7 @@ from scheduler_plugins.devcluster.demo import fragmenting_pod
 from scheduler_plugins.devcluster.stack import PLUGIN_SERVER, restart_component
 from scheduler_plugins.pod_annotations import decode_devices, decode_mig_allocations
 from tests.e2e.harness import (
+    EVENTS_PATH,
     GPU,
     GPUCORES,
     GPUMEM,
@@ -370,3 +371,37 @@ def test_burst_survives_plugin_server_restart(burst_cluster: E2ECluster) -> None
         )
         state = _settle(c, watcher, {p["metadata"]["name"] for p in pods}, SETTLE_S)
         _report_and_check(c, "burst with restart", watcher, pods, t0, state, expect_pending=False)
+
+
+# Candidate nodes -----------------------------------------------------------------------------
+
+
+def test_rejected_candidates_retry_at_once_over_every_feasible_node(
+    one_candidate_cluster: E2ECluster,
+) -> None:
+    """kube-scheduler sees only Tessera's best node (candidateNodes: 1); there the pod's cpu
+    does not fit. The shim sends the pod straight back for every feasible node: bound within
+    seconds elsewhere, not Pending until kube-scheduler's next flush (minutes)."""
+    c = one_candidate_cluster
+    busy, *others = c.nodes_in_mode("hami-core")
+    # The busiest GPU node (binpack's best) with its cpu all taken.
+    c.create(pod_manifest("load", {GPU: 1, GPUMEM: 4000}, annotations=HAMI_CORE, nodes=[busy]))
+    c.create(pod_manifest("cpu-hog", requests={"cpu": "31"}, nodes=[busy]))
+    c.wait_bound("load", timeout_s=30)
+    c.wait_bound("cpu-hog", timeout_s=30)
+    t0 = time.monotonic()
+    c.create(
+        pod_manifest(
+            "wants-cpu", {GPU: 1, GPUMEM: 2000}, annotations=HAMI_CORE, requests={"cpu": "4"}
+        )
+    )
+    pod = c.wait_bound("wants-cpu", timeout_s=30)
+    assert node_of(pod) in others, node_of(pod)
+    print(f"\nbound on {node_of(pod)} {time.monotonic() - t0:.1f}s after its create")
+    events = c.api.list(EVENTS_PATH, field_selector="involvedObject.name=wants-cpu")
+    failed = [
+        str(e.get("message", ""))
+        for e in events.get("items") or []
+        if e.get("reason") == "FailedScheduling"
+    ]
+    assert any("rejected the 1 best of" in m for m in failed), failed

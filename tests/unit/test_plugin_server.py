@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
@@ -27,7 +30,12 @@ from scheduler_plugins.node_register import GpuDevice, encode
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from scheduler_plugins.server.cache import ClusterCache
 from scheduler_plugins.server.events import REASON, EventRecorder
-from scheduler_plugins.server.servicer import WAIT_ELSEWHERE, SchedulerServicer, normalize_scores
+from scheduler_plugins.server.servicer import (
+    WAIT_ELSEWHERE,
+    SchedulerServicer,
+    _candidates,
+    normalize_scores,
+)
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
 
@@ -1134,3 +1142,61 @@ def test_tcp_address_must_be_loopback_unless_allowed() -> None:
         )
     with pytest.raises(ServerAddressError, match="exactly one"):
         PluginServer(ListingKube([], gate), DeviceConfig())
+
+
+# ----- candidate nodes: kube-scheduler filters and scores the best few only ---------------------
+
+
+@pytest.mark.parametrize(
+    ("scores", "limit", "kept", "total"),
+    [
+        ([10, 90, 50, 90], 2, [1, 3], 4),  # the best two, in node order
+        ([10, 90, 50, 90], 0, [0, 1, 2, 3], 0),  # 0: every node
+        ([10, 90], 5, [0, 1], 0),  # fewer than the limit: all, not truncated
+        ([70, 70, 70], 2, [0, 1], 3),  # ties: node order
+    ],
+)
+def test_candidates_keep_the_best_scored(
+    scores: list[int], limit: int, kept: list[int], total: int
+) -> None:
+    feasible = np.arange(100, 100 + len(scores))
+    got, got_scores, got_total = _candidates(feasible, scores, limit)
+    assert got.tolist() == [100 + i for i in kept]
+    assert got_scores == [scores[i] for i in kept]
+    assert got_total == total
+
+
+@given(st.lists(st.integers(0, 100), min_size=1, max_size=60), st.integers(1, 70))
+def test_no_dropped_node_scores_above_a_kept_one(scores: list[int], limit: int) -> None:
+    feasible = np.arange(len(scores))
+    got, got_scores, total = _candidates(feasible, scores, limit)
+    assert len(got) == min(limit, len(scores))
+    assert total == (len(scores) if len(scores) > limit else 0)
+    dropped = [scores[i] for i in range(len(scores)) if i not in set(got.tolist())]
+    assert not dropped or max(dropped) <= min(got_scores)
+    assert got.tolist() == sorted(got.tolist())
+
+
+def test_prefilter_answers_the_best_candidates_and_reserve_takes_any_feasible_node(
+    h: Harness,
+) -> None:
+    for i in range(5):
+        h.cache.apply_node(node_obj(f"n{i}", gpu(f"GPU-{i}", mem=8192 * (i + 1))))
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    full = h.prefilter(pod)
+    assert full.feasible_total == 0 and len(full.feasible_nodes) == 5
+    ranked = sorted(
+        (-score, i, node)
+        for i, (score, node) in enumerate(zip(full.scores, full.feasible_nodes, strict=True))
+    )
+    best = [node for _, _, node in sorted(ranked[:2], key=lambda t: t[1])]  # ties: node order
+    req = prefilter_req(pod)
+    req.candidate_nodes = 2
+    r = h.stub.PreFilter(req, timeout=10)
+    assert r.feasible_total == 5
+    assert list(r.feasible_nodes) == best
+    assert list(r.scores) == [full.scores[list(full.feasible_nodes).index(n)] for n in best]
+    # A node outside the candidates still fits: Reserve there is not refused.
+    other = next(n for n in full.feasible_nodes if n not in r.feasible_nodes)
+    h.reserve("p", other, r.decision_id)
+    assert h.cache.state.is_assumed("default/p")

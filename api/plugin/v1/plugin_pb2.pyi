@@ -25,17 +25,19 @@ class PodRef(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class PreFilterRequest(_message.Message):
-    __slots__ = ("version", "pod", "pod_json")
+    __slots__ = ("version", "pod", "pod_json", "candidate_nodes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     POD_JSON_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_NODES_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     pod: PodRef
     pod_json: bytes
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., pod_json: _Optional[bytes] = ...) -> None: ...
+    candidate_nodes: int
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., pod_json: _Optional[bytes] = ..., candidate_nodes: _Optional[int] = ...) -> None: ...
 
 class PreFilterResponse(_message.Message):
-    __slots__ = ("code", "message", "feasible_nodes", "scores", "infeasible_message", "decision_id")
+    __slots__ = ("code", "message", "feasible_nodes", "scores", "infeasible_message", "decision_id", "feasible_total")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CODE_UNSPECIFIED: _ClassVar[PreFilterResponse.Code]
@@ -54,13 +56,15 @@ class PreFilterResponse(_message.Message):
     SCORES_FIELD_NUMBER: _ClassVar[int]
     INFEASIBLE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    FEASIBLE_TOTAL_FIELD_NUMBER: _ClassVar[int]
     code: PreFilterResponse.Code
     message: str
     feasible_nodes: _containers.RepeatedScalarFieldContainer[str]
     scores: _containers.RepeatedScalarFieldContainer[int]
     infeasible_message: str
     decision_id: int
-    def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ...) -> None: ...
+    feasible_total: int
+    def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ..., feasible_total: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("version", "pod", "node", "decision_id")

@@ -200,9 +200,14 @@ type PreFilterRequest struct {
 	Version ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
 	Pod     *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
 	// The Pod object as JSON (metadata.annotations and spec.containers/initContainers matter).
-	PodJson       []byte `protobuf:"bytes,3,opt,name=pod_json,json=podJson,proto3" json:"pod_json,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	PodJson []byte `protobuf:"bytes,3,opt,name=pod_json,json=podJson,proto3" json:"pod_json,omitempty"`
+	// At most this many feasible nodes in the answer, the best by score (0: every one). The
+	// shim asks for a limit only for pods no other plugin is likely to narrow (no node
+	// selector, affinity or topology spread): kube-scheduler then filters and scores these
+	// candidates only, instead of a sample of every feasible node.
+	CandidateNodes uint32 `protobuf:"varint,4,opt,name=candidate_nodes,json=candidateNodes,proto3" json:"candidate_nodes,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PreFilterRequest) Reset() {
@@ -256,6 +261,13 @@ func (x *PreFilterRequest) GetPodJson() []byte {
 	return nil
 }
 
+func (x *PreFilterRequest) GetCandidateNodes() uint32 {
+	if x != nil {
+		return x.CandidateNodes
+	}
+	return 0
+}
+
 type PreFilterResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Code    PreFilterResponse_Code `protobuf:"varint,1,opt,name=code,proto3,enum=tessera.plugin.v1.PreFilterResponse_Code" json:"code,omitempty"`
@@ -268,7 +280,11 @@ type PreFilterResponse struct {
 	// UNSCHEDULABLE; with OK it may be empty (ask Explain if the explanation is needed).
 	InfeasibleMessage string `protobuf:"bytes,5,opt,name=infeasible_message,json=infeasibleMessage,proto3" json:"infeasible_message,omitempty"`
 	// Identifies the decision the server cached for Reserve.
-	DecisionId    uint64 `protobuf:"varint,6,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	DecisionId uint64 `protobuf:"varint,6,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	// feasible_nodes holds only the candidate_nodes best of this many feasible nodes (0: all
+	// of them are there). If kube-scheduler's other plugins reject every candidate, the shim
+	// asks for every feasible node in the pod's next attempt.
+	FeasibleTotal uint32 `protobuf:"varint,7,opt,name=feasible_total,json=feasibleTotal,proto3" json:"feasible_total,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -341,6 +357,13 @@ func (x *PreFilterResponse) GetInfeasibleMessage() string {
 func (x *PreFilterResponse) GetDecisionId() uint64 {
 	if x != nil {
 		return x.DecisionId
+	}
+	return 0
+}
+
+func (x *PreFilterResponse) GetFeasibleTotal() uint32 {
+	if x != nil {
+		return x.FeasibleTotal
 	}
 	return 0
 }
@@ -777,11 +800,12 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x06PodRef\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x10\n" +
-	"\x03uid\x18\x03 \x01(\tR\x03uid\"\x98\x01\n" +
+	"\x03uid\x18\x03 \x01(\tR\x03uid\"\xc1\x01\n" +
 	"\x10PreFilterRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x19\n" +
-	"\bpod_json\x18\x03 \x01(\fR\apodJson\"\xcb\x02\n" +
+	"\bpod_json\x18\x03 \x01(\fR\apodJson\x12'\n" +
+	"\x0fcandidate_nodes\x18\x04 \x01(\rR\x0ecandidateNodes\"\xf2\x02\n" +
 	"\x11PreFilterResponse\x12=\n" +
 	"\x04code\x18\x01 \x01(\x0e2).tessera.plugin.v1.PreFilterResponse.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12%\n" +
@@ -789,7 +813,8 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x06scores\x18\x04 \x03(\x03R\x06scores\x12-\n" +
 	"\x12infeasible_message\x18\x05 \x01(\tR\x11infeasibleMessage\x12\x1f\n" +
 	"\vdecision_id\x18\x06 \x01(\x04R\n" +
-	"decisionId\"N\n" +
+	"decisionId\x12%\n" +
+	"\x0efeasible_total\x18\a \x01(\rR\rfeasibleTotal\"N\n" +
 	"\x04Code\x12\x14\n" +
 	"\x10CODE_UNSPECIFIED\x10\x00\x12\x06\n" +
 	"\x02OK\x10\x01\x12\b\n" +

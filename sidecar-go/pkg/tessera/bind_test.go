@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/apis/config"
 )
@@ -18,11 +19,18 @@ import (
 // fakeHandle is the part of kube-scheduler's framework Bind and PreBind use.
 type fakeHandle struct {
 	fwk.Handle
-	cs   kubernetes.Interface
-	bind []string // the profile's bind plugins, in order
+	cs        kubernetes.Interface
+	bind      []string // the profile's bind plugins, in order
+	activated []string // pods PostFilter sent back to the active queue
 }
 
 func (h *fakeHandle) ClientSet() kubernetes.Interface { return h.cs }
+
+func (h *fakeHandle) Activate(_ klog.Logger, pods map[string]*v1.Pod) {
+	for k := range pods {
+		h.activated = append(h.activated, k)
+	}
+}
 
 func (h *fakeHandle) ListPlugins() *config.Plugins {
 	var ps []config.Plugin

@@ -7,6 +7,7 @@ import (
 	"tessera/sidecar-go/pkg/pluginv1"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 )
 
@@ -38,7 +39,20 @@ const genericInfeasible = "Tessera: the pod's GPU request does not fit"
 // node: preemption is DefaultPreemption's.
 func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	d, err := readDecision(state)
-	if err != nil || d.infeasibleMessage != "" {
+	if err != nil {
+		return nil, fwk.NewStatus(fwk.Unschedulable)
+	}
+	if d.feasibleTotal > 0 {
+		// Other plugins rejected every candidate: try again at once with every feasible node.
+		p.wide.add(pod.UID)
+		if p.handle != nil {
+			p.handle.Activate(klog.FromContext(ctx), map[string]*v1.Pod{pod.Namespace + "/" + pod.Name: pod})
+		}
+		return nil, fwk.NewStatus(fwk.Unschedulable, fmt.Sprintf(
+			"Tessera: other plugins rejected the %d best of %d nodes that fit the GPU request; trying all of them next",
+			len(d.scores), d.feasibleTotal))
+	}
+	if d.infeasibleMessage != "" {
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)

@@ -2,6 +2,7 @@ package tessera
 
 import (
 	"context"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +12,8 @@ import (
 )
 
 func metav1Duration(d time.Duration) metav1.Duration { return metav1.Duration{Duration: d} }
+
+func ptr[T any](v T) *T { return &v }
 
 func TestNewDecodesAndDefaultsArgs(t *testing.T) {
 	cases := []struct {
@@ -25,6 +28,8 @@ func TestNewDecodesAndDefaultsArgs(t *testing.T) {
 		{"yaml", &runtime.Unknown{Raw: []byte("address: 127.0.0.1:50051\nbindTimeout: 2m\n")},
 			Args{Address: "127.0.0.1:50051", BindTimeout: metav1Duration(2 * time.Minute)}},
 		{"typed", &Args{Socket: "/x.sock"}, Args{Socket: "/x.sock"}},
+		{"candidates off", &runtime.Unknown{Raw: []byte(`{"candidateNodes":0}`)}, Args{CandidateNodes: ptr[int32](0)}},
+		{"candidates", &runtime.Unknown{Raw: []byte(`{"candidateNodes":500}`)}, Args{CandidateNodes: ptr[int32](500)}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -34,7 +39,7 @@ func TestNewDecodesAndDefaultsArgs(t *testing.T) {
 			}
 			want := tc.want
 			want.setDefaults()
-			if *got != want {
+			if !reflect.DeepEqual(*got, want) {
 				t.Errorf("args = %+v\nwant   %+v", *got, want)
 			}
 		})
@@ -42,7 +47,8 @@ func TestNewDecodesAndDefaultsArgs(t *testing.T) {
 	d, _ := decodeArgs(nil)
 	if d.Socket != "/run/tessera/plugin.sock" || d.Timeout.Duration != 2*time.Second || d.BindTimeout.Duration != time.Minute ||
 		d.ResourceCountName != "nvidia.com/gpu" || d.ResourceMemoryName != "nvidia.com/gpumem" ||
-		d.ResourceMemoryPercentageName != "nvidia.com/gpumem-percentage" || d.ResourceCoreName != "nvidia.com/gpucores" {
+		d.ResourceMemoryPercentageName != "nvidia.com/gpumem-percentage" || d.ResourceCoreName != "nvidia.com/gpucores" ||
+		*d.CandidateNodes != 100 {
 		t.Errorf("defaults = %+v", d)
 	}
 }
@@ -59,6 +65,7 @@ func TestNewRejectsBadArgsWithFieldPath(t *testing.T) {
 		{"negative timeouts", &Args{Timeout: metav1Duration(-time.Second), BindTimeout: metav1Duration(-time.Second)},
 			[]string{"timeout: Invalid value", "bindTimeout: Invalid value"}},
 		{"bad resource name", &Args{ResourceCoreName: "not a name"}, []string{"resourceCoreName: Invalid value"}},
+		{"negative candidates", &Args{CandidateNodes: ptr[int32](-1)}, []string{"candidateNodes: Invalid value", "0 (every feasible node) or positive"}},
 		{"duplicate resource", &Args{ResourceMemoryName: "nvidia.com/gpu"}, []string{"resourceMemoryName: Duplicate value", "same as resourceCountName"}},
 		{"wrong type", &metav1.Status{}, []string{"want *runtime.Unknown or *tessera.Args, got *v1.Status"}},
 	}

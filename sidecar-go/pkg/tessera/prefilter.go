@@ -23,6 +23,8 @@ type decision struct {
 	// scores holds every feasible node's score; a node absent here does not fit.
 	scores            map[string]int64
 	infeasibleMessage string
+	// feasibleTotal > 0: scores holds only the best candidates of that many feasible nodes.
+	feasibleTotal uint32
 }
 
 // Clone implements fwk.StateData.
@@ -74,10 +76,23 @@ func (p *Plugin) askPreFilter(ctx context.Context, pod *v1.Pod) (*pluginv1.PreFi
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
 	return p.client.PreFilter(callCtx, &pluginv1.PreFilterRequest{
-		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
-		Pod:     podRef(pod),
-		PodJson: podJSON,
+		Version:        pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
+		Pod:            podRef(pod),
+		PodJson:        podJSON,
+		CandidateNodes: p.candidateNodes(pod),
 	})
+}
+
+// candidateNodes is how many of the best feasible nodes to ask for (0: all). Pods another
+// plugin is likely to narrow to few nodes (node selector, affinity, topology spread), and pods
+// whose candidates were all rejected before, get every feasible node.
+func (p *Plugin) candidateNodes(pod *v1.Pod) uint32 {
+	limit := *p.args.CandidateNodes
+	if limit <= 0 || pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil ||
+		len(pod.Spec.TopologySpreadConstraints) > 0 || p.wide.has(pod.UID) {
+		return 0
+	}
+	return uint32(limit)
 }
 
 // answerPreFilter turns the server's answer into the framework's, storing an OK decision.
@@ -123,6 +138,7 @@ func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk
 		id:                resp.GetDecisionId(),
 		scores:            make(map[string]int64, len(nodes)),
 		infeasibleMessage: resp.GetInfeasibleMessage(),
+		feasibleTotal:     resp.GetFeasibleTotal(),
 	}
 	names := sets.New[string]()
 	for i, n := range nodes {

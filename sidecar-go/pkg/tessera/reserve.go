@@ -34,6 +34,7 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	})
 	if err == nil {
 		traced.end(OutcomeOK, nil)
+		p.wide.remove(pod.UID)
 		return nil
 	}
 	// A failed Reserve leaves the attempt open: the framework calls Unreserve next.
