@@ -50,10 +50,8 @@ func TestTrimFitRequestsLeavesNodeResourcesFitOnlyTheCount(t *testing.T) {
 	if _, st := fit.(fwk.PreFilterPlugin).PreFilter(context.Background(), state, pod, nil); !st.IsSuccess() {
 		t.Fatalf("NodeResourcesFit PreFilter = %v", st)
 	}
-	p := newPlugin(&Args{}, nil)
-	p.args.setDefaults()
-	p.resources = resourceNames{DefaultResourceCountName, DefaultResourceMemoryName, DefaultResourceMemoryPercentageName, DefaultResourceCoreName}
-	if !trimFitRequests(state, p.resources[1:]) {
+	drop := []v1.ResourceName{DefaultResourceMemoryName, DefaultResourceMemoryPercentageName, DefaultResourceCoreName}
+	if !trimFitRequests(state, drop) {
 		t.Fatal("trimFitRequests found no NodeResourcesFit state to trim (its shape changed upstream?)")
 	}
 	got := fitRequests(state)
