@@ -245,6 +245,10 @@ class MigManager:
         self._gpu_locks: dict[int, threading.Lock] = {}
         self._instances: dict[InstanceKey, ManagedInstance] = {}
         self._gpu_index_by_uuid: dict[str, int] | None = None
+        # Per GPU index, the MIG profiles NVML resolves: fixed while the GPU's MIG mode is
+        # (the agent never changes it), so read once, like the UUIDs above. A GPU that
+        # resolves none (MIG off, or NVML failing) is asked again next time.
+        self._profiles_of: dict[int, dict[str, GpuInstanceProfileInfo]] = {}
 
     def instances(self) -> dict[InstanceKey, ManagedInstance]:
         """A snapshot of the managed instances."""
@@ -721,7 +725,14 @@ class MigManager:
         return next((u for u, i in known.items() if i == idx), str(idx))
 
     def _profiles(self, idx: int) -> dict[str, GpuInstanceProfileInfo]:
-        return resolve_profiles(self._backend, self._backend.device(idx))
+        with self._state_lock:
+            cached = self._profiles_of.get(idx)
+        if cached is None:
+            cached = resolve_profiles(self._backend, self._backend.device(idx))
+            if cached:
+                with self._state_lock:
+                    self._profiles_of[idx] = cached
+        return cached
 
     def _key_of(self, r: Reservation, indexes: dict[str, int]) -> InstanceKey | None:
         a = r.allocation

@@ -22,7 +22,6 @@ changes neither is not parsed again.
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 from collections import Counter
@@ -118,6 +117,10 @@ class ClusterCache:
         self._settled_listeners: list[Callable[[str], None]] = []
         self._node_seen: dict[str, tuple[object, ...]] = {}
         self._pod_seen: dict[str, tuple[object, ...]] = {}
+        # The allocation last parsed from each pod, with what it was parsed from (node, the
+        # device annotations, the containers' resources): an event that changes only the
+        # bind phase or the status reuses it instead of decoding the annotations again.
+        self._parsed: dict[str, tuple[object, PodAllocation | None]] = {}
         # node -> pod key -> annotations, for pods the node agent sees as allocating there.
         self._allocating: dict[str, dict[str, Mapping[str, str]]] = {}
         self._allocating_node: dict[str, str] = {}
@@ -127,10 +130,11 @@ class ClusterCache:
         # only the binds waiting there, not every waiter of the cluster.
         self._node_changed: dict[str, threading.Condition] = {}
         # What busy_nodes reads, kept per pod as its overlays change: pod key -> (node, the
-        # device counts it still asks, -1 standing for "unreadable: any"), and per node how
-        # many in-flight pods ask each count.
+        # device counts it still asks, -1 standing for "unreadable: any"), and per count the
+        # nodes with in-flight pods asking it (count -> node -> pods): busy_nodes reads only
+        # the counts it is asked about.
         self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._inflight_on: dict[str, Counter[int]] = {}
+        self._busy_by_count: dict[int, dict[str, int]] = {}
         self._assumed: dict[str, _Assumed] = {}
 
     # ----- change tracking ---------------------------------------------------------------
@@ -225,6 +229,16 @@ class ClusterCache:
         annotations = annotations_of(pod)
         counts = counts_against_capacity(pod)
         node_name = str(spec.get("nodeName") or annotations.get(ann.VGPU_NODE) or "")
+        # What parse_allocation reads (the node, the device annotations, the containers'
+        # resources: repr, not a sorted JSON dump; the same object decodes to the same key
+        # order, and a spurious difference costs only a re-parse) ...
+        source = (
+            node_name,
+            annotations.get(ann.DEVICES_ALLOCATED),
+            annotations.get(ann.MIG_ALLOCATIONS),
+            repr([c.get("resources") for c in all_containers(pod)]),
+        )
+        # ... and what else the cache reads: an event that changes none of it is skipped.
         fp: tuple[object, ...] = (
             counts,
             spec.get("nodeName"),
@@ -232,10 +246,8 @@ class ClusterCache:
             annotations.get(ann.VGPU_NODE),
             annotations.get(ann.BIND_TIME),
             annotations.get(ann.BIND_PHASE),
-            annotations.get(ann.DEVICES_ALLOCATED),
             annotations.get(ann.DEVICES_TO_ALLOCATE),
-            annotations.get(ann.MIG_ALLOCATIONS),
-            json.dumps([c.get("resources") for c in all_containers(pod)], sort_keys=True),
+            source,
         )
         with self.lock:
             if self._pod_seen.get(key) == fp:
@@ -267,8 +279,14 @@ class ClusterCache:
                 self._mutating()
                 self.state.remove_pod(key)
             return
+        source = fp[-1]
+        parsed = self._parsed.get(key)
         try:
-            alloc = parse_allocation(pod)
+            if parsed is not None and parsed[0] == source:
+                alloc = parsed[1]
+            else:
+                alloc = parse_allocation(pod)
+                self._parsed[key] = (source, alloc)
         except InvalidInputError as e:
             # Fail closed: what the pod held before still counts.
             log.warning(
@@ -343,6 +361,7 @@ class ClusterCache:
         with self.lock:
             self._settled(key)
             self._pod_seen.pop(key, None)
+            self._parsed.pop(key, None)
             self._assumed.pop(key, None)
             claim = self._drop_claim(key)
             node = self._drop_allocating(key)
@@ -415,14 +434,17 @@ class ClusterCache:
         allocating there with a container still to allocate that asks one of those counts
         (a pod asking several of them counts once per count). Read from an index kept as
         pods change: the cost follows the nodes with pods in flight, not the pods."""
-        busy: Counter[str] = Counter()
         if not counts:
-            return busy
+            return Counter()
         with self.lock:
-            for node, per_count in self._inflight_on.items():
-                queued = per_count[_ANY] + sum(per_count[c] for c in counts)
-                if queued:
-                    busy[node] = queued
+            parts = [self._busy_by_count.get(c) for c in (_ANY, *counts)]
+            present = [p for p in parts if p]
+            if not present:
+                return Counter()
+            busy = Counter(present[0])  # a C-level copy: the common case is one count
+            for more in present[1:]:
+                for node, n in more.items():
+                    busy[node] += n
             return busy
 
     def _refresh_inflight(self, key: str) -> None:
@@ -446,14 +468,20 @@ class ClusterCache:
         if before == entry:
             return
         if before is not None:
-            per_count = self._inflight_on[before[0]]
-            per_count.subtract(before[1])
-            if not +per_count:
-                del self._inflight_on[before[0]]
+            node = before[0]
+            for c in before[1]:
+                on = self._busy_by_count[c]
+                if on[node] > 1:
+                    on[node] -= 1
+                else:
+                    del on[node]
             del self._inflight[key]
         if entry is not None:
             self._inflight[key] = entry
-            self._inflight_on.setdefault(entry[0], Counter()).update(entry[1])
+            node = entry[0]
+            for c in entry[1]:
+                on = self._busy_by_count.setdefault(c, {})
+                on[node] = on.get(node, 0) + 1
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
         with self.lock:

@@ -201,6 +201,27 @@ def test_repeated_allocate_returns_the_same_mig_device(rig: Rig) -> None:
     assert rig.all_gis() == [(0, 2, 2), (2, 3, 3)]
 
 
+def test_profiles_are_read_from_nvml_once_per_gpu(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[int] = []
+    real = rig.sim.gpu_instance_profile_info
+
+    def counting(index: int, profile_index: int) -> Any:
+        asked.append(index)
+        return real(index, profile_index)
+
+    monkeypatch.setattr(rig.sim, "gpu_instance_profile_info", counting)
+    rig.manager.ensure("ns/a", [rig.alloc(0, "1g.5gb", 0)], EMPTY)
+    first = len(asked)
+    assert first > 0 and set(asked) == {0}
+    b = [rig.alloc(0, "1g.5gb", 1)]
+    rig.manager.ensure("ns/b", b, desired(("ns/b", b)))
+    assert len(asked) == first  # GPU 0's profiles came from the first read
+    rig.manager.ensure("ns/c", [rig.alloc(1, "1g.10gb", 0)], EMPTY)
+    assert set(asked[first:]) == {1}
+
+
 @pytest.mark.parametrize(
     ("profile", "start"),
     [("2g.10gb", 2), ("3g.20gb", 0), ("7g.40gb", 0), ("1g.5gb", 3)],

@@ -1036,6 +1036,42 @@ def test_unchanged_events_do_not_invalidate_decisions() -> None:
     assert cache.generation == gen + 1 and cache.state.allocation("default/p") is None
 
 
+def test_bind_phase_and_status_events_reuse_the_parsed_allocation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import scheduler_plugins.server.cache as cache_module
+
+    parsed: list[str] = []
+    real = cache_module.parse_allocation
+
+    def counting(pod: dict[str, Any]) -> Any:
+        parsed.append(pod["metadata"]["name"])
+        return real(pod)
+
+    monkeypatch.setattr(cache_module, "parse_allocation", counting)
+    cache = ClusterCache(DeviceConfig())
+    cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2")))
+    pod = bound_pod("p", "n", [[("GPU-1", 1000, 10)]], bind_phase="allocating")
+    cache.apply_pod(pod)
+    pod["metadata"]["annotations"][ann.BIND_PHASE] = "success"
+    cache.apply_pod(pod)  # the node agent's patch: same devices
+    pod["status"]["phase"] = "Failed"
+    cache.apply_pod(pod)  # holds nothing now: no parse needed either
+    assert parsed == ["p"] and cache.state.allocation("default/p") is None
+    pod["status"]["phase"] = "Running"
+    moved = bound_pod("p", "n", [[("GPU-2", 2000, 20)]])
+    pod["metadata"]["annotations"][ann.DEVICES_ALLOCATED] = moved["metadata"]["annotations"][
+        ann.DEVICES_ALLOCATED
+    ]
+    cache.apply_pod(pod)  # other devices: parsed again, and counted
+    alloc = cache.state.allocation("default/p")
+    assert parsed == ["p", "p"]
+    assert alloc is not None and [d.uuid for d in alloc.devices] == ["GPU-2"]
+    cache.delete_pod(pod)
+    cache.apply_pod(pod)  # a new pod of that name is parsed afresh
+    assert parsed == ["p", "p", "p"]
+
+
 # ----- the served app -------------------------------------------------------------------------
 
 
