@@ -23,6 +23,7 @@ each other, and repeated events for one pod collapse into one look at its newest
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,10 @@ MAX_CONTAINERS: Final = 256
 DEFAULT_WORKERS: Final = 16
 _NODE_FIELD: Final = "spec.nodeName="
 _RECONCILE: Final = ""  # queue item: reconcile the node (no pod)
+# A node not in the last node list is looked up alone (GET) until this long after that
+# list; then the next miss lists every node again (one paged LIST instead of a GET each).
+NODE_RELIST_S: Final = 30.0
+_NODE_PAGE: Final = 500
 JSON_PATCH: Final = "application/json-patch+json"
 _TEST_FAILED: Final = 422  # a JSON patch "test" op that does not hold
 _HISTORY: Final = 4  # versions of each pod's metadata the index remembers
@@ -360,6 +365,11 @@ class KwokAgents:
         self._pod_api = IndexedPodApi(kube, self.pods)
         self._queues = NodeQueues(self._work, workers=workers)
         self._hold = CreationHold.from_env()  # None outside the fault tests
+        # The fake nodes of the last node list not built yet: name -> their annotations.
+        self._listed_nodes: dict[str, Mapping[str, str]] = {}
+        self._listed_at: float | None = None
+        self._list_lock = threading.Lock()
+        self._clock = time.monotonic
 
     # Per node -----------------------------------------------------------------------------
 
@@ -373,13 +383,48 @@ class KwokAgents:
             self._nodes.setdefault(name, agent)
             return self._nodes[name]
 
+    def _from_node_list(self, name: str) -> Mapping[str, str] | None:
+        """The annotations of fake node ``name`` from a node list: the last one, or a new
+        one when it lacks the node and is ``NODE_RELIST_S`` old. None: not listed (or the
+        list failed), so look it up alone. A burst landing on thousands of nodes costs a
+        few paged lists, not a GET per node."""
+        with self._list_lock:
+            found = self._listed_nodes.pop(name, None)
+            if found is not None:
+                return found
+            now = self._clock()
+            if self._listed_at is not None and now - self._listed_at < NODE_RELIST_S:
+                return None
+            self._listed_at = now
+            try:
+                items = self._kube.list("/api/v1/nodes", limit=_NODE_PAGE).get("items") or []
+            except TesseraError as e:
+                log.warning("kwok.node_list_failed", error=str(e))
+                return None
+            with self._lock:
+                built = set(self._nodes)
+            listed: dict[str, Mapping[str, str]] = {}
+            for item in items:
+                meta = item.get("metadata") or {}
+                ann = meta.get("annotations") or {}
+                node_name = meta.get("name")
+                if node_name not in built and _is_fake(ann):
+                    listed[str(node_name)] = {
+                        KWOK_NODE_ANNOTATION: ann[KWOK_NODE_ANNOTATION],
+                        NODE_REGISTER: ann[NODE_REGISTER],
+                    }
+            self._listed_nodes = listed
+            return listed.pop(name, None)
+
     def _build(self, name: str) -> FakeNode | None:
-        try:
-            node = self._kube.get(f"/api/v1/nodes/{name}")
-        except NotFoundError:
-            return None
-        ann: Mapping[str, str] = (node.get("metadata") or {}).get("annotations") or {}
-        if ann.get(KWOK_NODE_ANNOTATION) != "fake" or NODE_REGISTER not in ann:
+        ann = self._from_node_list(name)
+        if ann is None:
+            try:
+                node = self._kube.get(f"/api/v1/nodes/{name}")
+            except NotFoundError:
+                return None
+            ann = (node.get("metadata") or {}).get("annotations") or {}
+        if not _is_fake(ann):
             return None
         devices = sorted(decode(ann[NODE_REGISTER], obj=f"node {name}"), key=lambda d: d.index)
         specs = [
@@ -491,6 +536,11 @@ class KwokAgents:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _is_fake(annotations: Mapping[str, str]) -> bool:
+    """A kwok node Tessera simulates: marked fake, with its GPUs registered."""
+    return annotations.get(KWOK_NODE_ANNOTATION) == "fake" and NODE_REGISTER in annotations
 
 
 def _ended(pod: Mapping[str, Any]) -> bool:

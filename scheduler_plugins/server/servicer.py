@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn, Protocol, TypeVar
+from typing import Any, Final, NoReturn, Protocol, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -109,16 +109,24 @@ BUSY_SCORE_MAX: Final = 49  # a busy node scores at most this; the others 50..10
 def normalize_scores(
     desirability: npt.NDArray[np.float64], queued: npt.NDArray[np.int64] | None = None
 ) -> list[int]:
+    """``score_array`` as a list."""
+    return cast("list[int]", score_array(desirability, queued).tolist())
+
+
+def score_array(
+    desirability: npt.NDArray[np.float64], queued: npt.NDArray[np.int64] | None = None
+) -> npt.NDArray[np.int64]:
     """Higher is better, 0..100: the least desirable node 0, the most 100, all equal 100.
 
     ``queued`` says per node how many in-flight pods the node agent could not tell from
     this one are there (PreBind would wait for them). Nodes with none score 50..100 in
     their own order and busy ones below, fewer queued higher (49 // queued), so a burst
     spreads over node agents and, once all are busy, queues evenly. With every node
-    equally busy, desirability alone ranks them.
+    equally busy, desirability alone ranks them. Vectorized: only the candidates kept
+    become Python ints.
     """
     if desirability.size == 0:
-        return []
+        return np.zeros(0, dtype=np.int64)
     if queued is None or not queued.any() or (queued == queued[0]).all():
         return _scale(desirability, 0)
     out = np.zeros(desirability.size, dtype=np.int64)
@@ -127,15 +135,15 @@ def normalize_scores(
     if free.any():
         out[free] = _scale(desirability[free], BUSY_SCORE_MAX + 1)
     out[busy] = BUSY_SCORE_MAX // queued[busy]
-    return [int(v) for v in out.tolist()]
+    return out
 
 
-def _scale(desirability: npt.NDArray[np.float64], lo_score: int) -> list[int]:
+def _scale(desirability: npt.NDArray[np.float64], lo_score: int) -> npt.NDArray[np.int64]:
     lo, hi = float(desirability.min()), float(desirability.max())
     if hi - lo < 1e-9:
-        return [100] * int(desirability.size)
+        return np.full(desirability.size, 100, dtype=np.int64)
     span = 100.0 - lo_score
-    return [int(v) for v in np.rint(lo_score + (desirability - lo) * span / (hi - lo)).tolist()]
+    return np.rint(lo_score + (desirability - lo) * span / (hi - lo)).astype(np.int64)
 
 
 def _pod_path(namespace: str, name: str) -> str:
@@ -264,8 +272,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
             queued = self._queued(req, decision, feasible)
-            scores = normalize_scores(decision.desirability[feasible], queued)
-            feasible, scores, total = _candidates(feasible, scores, request.candidate_nodes)
+            feasible, scores, total = _candidates(
+                feasible,
+                score_array(decision.desirability[feasible], queued),
+                request.candidate_nodes,
+            )
             all_names = decision.layout.names
             names = [all_names[i] for i in feasible.tolist()]
             # Explaining evaluates every rejected node in full: only when no node fits is it
@@ -695,14 +706,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
 
 def _candidates(
-    feasible: npt.NDArray[np.intp], scores: list[int], limit: int
+    feasible: npt.NDArray[np.intp], scores: npt.NDArray[np.int64] | list[int], limit: int
 ) -> tuple[npt.NDArray[np.intp], list[int], int]:
     """The ``limit`` best-scored of the feasible nodes (ties: in node order), in node
-    order, and how many were feasible (0 when all are kept)."""
+    order, with their scores, and how many were feasible (0 when all are kept)."""
+    arr = np.asarray(scores, dtype=np.int64)
     if not limit or feasible.size <= limit:
-        return feasible, scores, 0
-    keep = np.sort(np.argsort(-np.asarray(scores, dtype=np.int64), kind="stable")[:limit])
-    return feasible[keep], [scores[i] for i in keep.tolist()], int(feasible.size)
+        return feasible, cast("list[int]", arr.tolist()), 0
+    keep = np.sort(np.argsort(-arr, kind="stable")[:limit])
+    return feasible[keep], cast("list[int]", arr[keep].tolist()), int(feasible.size)
 
 
 def _device_counts(req: PodRequest) -> frozenset[int]:

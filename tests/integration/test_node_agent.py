@@ -234,3 +234,50 @@ def test_kwok_mode_allocates_a_hami_core_pod(
     finally:
         api.delete(path)
     eventually(gone(api, path))
+
+
+class CountingKube:
+    """The real client, counting node reads: GETs of one node and LISTs of all."""
+
+    def __init__(self, api: KubeClient) -> None:
+        self._api = api
+        self.node_gets: list[str] = []
+        self.node_lists = 0
+
+    def get(self, path: str, **kw: Any) -> Any:
+        if path.startswith("/api/v1/nodes/"):
+            self.node_gets.append(path.rsplit("/", 1)[1])
+        return self._api.get(path, **kw)
+
+    def list(self, path: str, **kw: Any) -> Any:
+        if path == "/api/v1/nodes":
+            self.node_lists += 1
+        return self._api.list(path, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+
+def test_kwok_mode_learns_fake_nodes_from_one_node_list_and_looks_up_late_ones_alone(
+    api: KubeClient, dev_cluster: ClusterClient
+) -> None:
+    kube = CountingKube(api)
+    plain = "kwok-plain-node"
+    api.post("/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": plain}})
+    try:
+        agents = KwokAgents(kube, DeviceConfig(), watch_timeout_s=2)  # type: ignore[arg-type]
+        try:
+            nodes = list(dev_cluster.nodes)
+            assert len(nodes) >= 2
+            built = [agents.node(n) for n in nodes]
+            assert all(b is not None for b in built)
+            assert agents.node(plain) is None  # not a fake node: not simulated
+            assert kube.node_lists == 1 and kube.node_gets == [plain]
+            # A node not in that list (a late one) is looked up alone, without listing
+            # again until the list is old.
+            assert agents.node("kwok-no-such-node") is None
+            assert kube.node_lists == 1 and kube.node_gets == [plain, "kwok-no-such-node"]
+        finally:
+            agents.stop()
+    finally:
+        api.delete(f"/api/v1/nodes/{plain}")
