@@ -36,11 +36,18 @@ class Sampler:
     requests: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
     metrics_error: str | None = None
 
-    def mark(self, name: str) -> None:
-        samples = {
-            c: s for c, pid in self.pids().items() if (s := procstat.sample(pid)) is not None
-        }
-        self.marks[name] = samples
+    def mark(self, name: str, *, procs: bool = True, scrapes: bool = True) -> None:
+        """Record mark ``name``: the processes' CPU/RSS (``procs``) and the plugin server's
+        histograms and apiserver counters (``scrapes``), each part alone when asked, so a
+        phase can scrape before it starts a process and sample the process after."""
+        if procs:
+            self.marks[name] = {
+                c: s for c, pid in self.pids().items() if (s := procstat.sample(pid)) is not None
+            }
+        if scrapes:
+            self._scrape(name)
+
+    def _scrape(self, name: str) -> None:
         if self.metrics_url is not None:
             try:
                 self.scrapes[name] = promtext.histograms(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -428,23 +427,23 @@ class ClusterCache:
                 or _clash(_remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), wanted)
             )
 
-    def busy_nodes(self, counts: frozenset[int]) -> Counter[str]:
+    def busy_nodes(self, counts: frozenset[int]) -> dict[str, int]:
         """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
         PreBind, with (about) how many pods it would wait behind: pods reserved, claimed or
         allocating there with a container still to allocate that asks one of those counts
         (a pod asking several of them counts once per count). Read from an index kept as
         pods change: the cost follows the nodes with pods in flight, not the pods."""
         if not counts:
-            return Counter()
+            return {}
         with self.lock:
             parts = [self._busy_by_count.get(c) for c in (_ANY, *counts)]
             present = [p for p in parts if p]
             if not present:
-                return Counter()
-            busy = Counter(present[0])  # a C-level copy: the common case is one count
+                return {}
+            busy = dict(present[0])  # a C-level copy: the common case is one count
             for more in present[1:]:
                 for node, n in more.items():
-                    busy[node] += n
+                    busy[node] = busy.get(node, 0) + n
             return busy
 
     def _refresh_inflight(self, key: str) -> None:

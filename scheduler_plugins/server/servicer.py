@@ -533,11 +533,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not busy:
             return None
         per_node = np.zeros(len(decision.layout.names), dtype=np.int64)
-        index = decision.layout.seg_index
-        for node, queued in busy.items():
-            i = index.get(node)
-            if i is not None:
-                per_node[i] = queued
+        # Name -> segment in C (map over dict.get), not a Python loop: hundreds of nodes
+        # are busy while node agents lag behind a burst.
+        where = np.fromiter(
+            map(decision.layout.seg_index.get, busy, itertools.repeat(-1)), np.int64, len(busy)
+        )
+        queued = np.fromiter(busy.values(), np.int64, len(busy))
+        known = where >= 0
+        per_node[where[known]] = queued[known]
         return per_node[feasible]
 
     def _refuse_bound(self, key: str) -> None:

@@ -1,0 +1,36 @@
+"""Marks record process samples and metric scrapes, together or each alone."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+from scheduler_plugins.bench.sampling import Sampler
+from scheduler_plugins.kube.client import KubeClient
+
+
+class Api:
+    """Answers /metrics with a request counter that grows by 3 per scrape."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def probe(self, path: str) -> tuple[int, str]:
+        assert path == "/metrics"
+        self.total += 3
+        line = 'apiserver_request_total{verb="POST",resource="pods",subresource="binding"}'
+        return 200, f"{line} {self.total}\n"
+
+
+def test_a_mark_can_scrape_before_and_sample_processes_after() -> None:
+    api = Api()
+    sampler = Sampler(lambda: {"me": os.getpid()}, None, cast(KubeClient, cast(Any, api)))
+    sampler.mark("start", procs=False)  # before the process is (re)started
+    assert "start" not in sampler.marks and "start" in sampler.requests
+    sampler.mark("start", scrapes=False)  # its pid now
+    assert set(sampler.marks["start"]) == {"me"}
+    assert api.total == 3  # the second call scraped nothing
+    sampler.mark("end")
+    rows = sampler.requests_json("start", "end", per=3)
+    assert [(r["verb"], r["count"]) for r in rows] == [("POST", 3)]
+    assert sampler.cpu_between("start", "end")["me"] >= 0
