@@ -165,6 +165,11 @@ class ClusterCache:
             cond = self._node_changed.setdefault(node, threading.Condition(self.lock))
             cond.wait(max(timeout_s, 0.0))
 
+    def wake(self, node: str) -> None:
+        """Wake whoever waits on ``node`` (``wait_changed``) to look again."""
+        with self.lock:
+            self._notify(node)
+
     def _notify(self, *nodes: str | None) -> None:
         for node in nodes:
             cond = self._node_changed.get(node) if node else None

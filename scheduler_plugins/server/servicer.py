@@ -13,6 +13,7 @@ status code the shim can act on; none binds without a reservation.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -47,7 +48,9 @@ log = structlog.get_logger("tessera.plugin_server")
 
 _MAX_CACHED = 1024
 _DEADLINE_MARGIN_S = 0.2
-_WAIT_SLICE_S = 0.5
+# A waiting PreBind wakes when its node changes, its deadline comes or its RPC ends (a
+# callback): this slice is only a safety net, long so hundreds of waiters stay asleep.
+_WAIT_SLICE_S = 5.0
 # PreBind's "not yet, nothing written, the reservation stands: ask again" (its node is still
 # allocating an earlier pod the node agent could not tell apart, and this call's wait ended
 # or no worker is free to wait). The shim sleeps and asks again until its bind deadline
@@ -663,6 +666,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                             )
                         self._prebind_waiters += 1
                         waiting = True
+                        # A cancelled or timed-out RPC wakes its waiter at once.
+                        context.add_callback(functools.partial(self._cache.wake, node))
                         log.info(
                             "waiting for ambiguous allocating pods",
                             pod=key,

@@ -17,7 +17,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +76,9 @@ class FakeContext:
 
     def is_active(self) -> bool:
         return True
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return True  # the fuzzed call never ends from the client's side
 
     def invocation_metadata(self) -> Sequence[tuple[str, str]]:
         return ()

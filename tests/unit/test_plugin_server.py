@@ -831,6 +831,33 @@ def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harn
     first.cancel()
 
 
+def test_a_cancelled_waiting_prebind_frees_its_place_at_once(h_one_waiter: Harness) -> None:
+    h = h_one_waiter
+    h.cache.apply_node(node_obj("n", *(gpu(f"GPU-{i}", index=i) for i in range(4))))
+    h.cache.apply_pod(_allocating("q", "n", [("GPU-0", 1000, 0)]))
+    h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    first = h.stub.PreBind.future(
+        pb.PreBindRequest(version=V1, pod=ref("p1"), node="n"), timeout=10
+    )
+    time.sleep(0.3)
+    assert not first.done()
+    first.cancel()  # the shim gave up: its waiter wakes now, not at its next safety check
+    deadline = time.monotonic() + 2
+    while True:
+        second = h.stub.PreBind.future(
+            pb.PreBindRequest(version=V1, pod=ref("p2"), node="n"), timeout=10
+        )
+        time.sleep(0.2)
+        if not second.done():
+            break  # waiting in the one place the first held
+        with pytest.raises(grpc.RpcError) as e:
+            second.result()
+        assert "already waiting" in _details(e)
+        assert time.monotonic() < deadline, "the cancelled PreBind still holds its place"
+    second.cancel()
+
+
 def test_pods_the_node_agent_can_tell_apart_bind_without_waiting(h_short_wait: Harness) -> None:
     h = h_short_wait
     h.cache.apply_node(node_obj("n", *(gpu(f"GPU-{i}", index=i) for i in range(4))))
