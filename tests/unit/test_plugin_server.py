@@ -812,8 +812,8 @@ def test_prebind_gives_up_after_its_deadline_naming_the_blocker(h_short_wait: Ha
     assert h.kube.patches == []
 
 
-def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harness) -> None:
-    h = h_one_waiter
+def _two_behind_an_allocating_pod(h: Harness) -> grpc.Future:
+    """p1 and p2 reserved on node n behind allocating q (same count); p1's PreBind waiting."""
     h.cache.apply_node(node_obj("n", *(gpu(f"GPU-{i}", index=i) for i in range(4))))
     h.cache.apply_pod(_allocating("q", "n", [("GPU-0", 1000, 0)]))
     h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
@@ -823,6 +823,12 @@ def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harn
     )
     time.sleep(0.3)
     assert not first.done()
+    return first
+
+
+def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harness) -> None:
+    h = h_one_waiter
+    first = _two_behind_an_allocating_pod(h)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
@@ -833,15 +839,7 @@ def test_waiting_prebinds_are_capped_so_rpc_workers_stay_free(h_one_waiter: Harn
 
 def test_a_cancelled_waiting_prebind_frees_its_place_at_once(h_one_waiter: Harness) -> None:
     h = h_one_waiter
-    h.cache.apply_node(node_obj("n", *(gpu(f"GPU-{i}", index=i) for i in range(4))))
-    h.cache.apply_pod(_allocating("q", "n", [("GPU-0", 1000, 0)]))
-    h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
-    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
-    first = h.stub.PreBind.future(
-        pb.PreBindRequest(version=V1, pod=ref("p1"), node="n"), timeout=10
-    )
-    time.sleep(0.3)
-    assert not first.done()
+    first = _two_behind_an_allocating_pod(h)
     first.cancel()  # the shim gave up: its waiter wakes now, not at its next safety check
     deadline = time.monotonic() + 2
     while True:
