@@ -109,13 +109,6 @@ class _Reservation:
 BUSY_SCORE_MAX: Final = 49  # a busy node scores at most this; the others 50..100
 
 
-def normalize_scores(
-    desirability: npt.NDArray[np.float64], queued: npt.NDArray[np.int64] | None = None
-) -> list[int]:
-    """``score_array`` as a list."""
-    return cast("list[int]", score_array(desirability, queued).tolist())
-
-
 def score_array(
     desirability: npt.NDArray[np.float64], queued: npt.NDArray[np.int64] | None = None
 ) -> npt.NDArray[np.int64]:

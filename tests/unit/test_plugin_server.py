@@ -34,7 +34,7 @@ from scheduler_plugins.server.servicer import (
     WAIT_ELSEWHERE,
     SchedulerServicer,
     _candidates,
-    normalize_scores,
+    score_array,
 )
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
@@ -277,9 +277,9 @@ def test_prefilter_scores_seed_nodes_by_node_policy(
 def test_scores_normalize_min_to_0_max_to_100_and_equal_to_100() -> None:
     import numpy as np
 
-    assert normalize_scores(np.array([-3.0, -1.0, 1.0])) == [0, 50, 100]
-    assert normalize_scores(np.array([2.0, 2.0])) == [100, 100]
-    assert normalize_scores(np.array([])) == []
+    assert score_array(np.array([-3.0, -1.0, 1.0])).tolist() == [0, 50, 100]
+    assert score_array(np.array([2.0, 2.0])).tolist() == [100, 100]
+    assert score_array(np.array([])).tolist() == []
 
 
 def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Harness) -> None:
@@ -955,14 +955,19 @@ def test_scores_put_busy_nodes_last_fewer_queued_first_and_keep_the_others_order
     def q(*v: int) -> Any:
         return np.array(v, dtype=np.int64)
 
-    assert normalize_scores(np.array([9.0, -3.0, -1.0, 1.0]), q(1, 0, 0, 0)) == [49, 50, 75, 100]
-    assert normalize_scores(np.array([9.0, 2.0, 5.0]), q(3, 0, 1)) == [16, 100, 49]
+    assert score_array(np.array([9.0, -3.0, -1.0, 1.0]), q(1, 0, 0, 0)).tolist() == [
+        49,
+        50,
+        75,
+        100,
+    ]
+    assert score_array(np.array([9.0, 2.0, 5.0]), q(3, 0, 1)).tolist() == [16, 100, 49]
     # every node busy: shorter queues first
-    assert normalize_scores(np.array([1.0, 3.0, 2.0]), q(2, 5, 1)) == [24, 9, 49]
+    assert score_array(np.array([1.0, 3.0, 2.0]), q(2, 5, 1)).tolist() == [24, 9, 49]
     # every node equally busy (or none): desirability alone ranks them
-    assert normalize_scores(np.array([1.0, 3.0]), q(2, 2)) == [0, 100]
-    assert normalize_scores(np.array([1.0, 3.0]), q(0, 0)) == [0, 100]
-    assert normalize_scores(np.array([1.0, 3.0]), None) == [0, 100]
+    assert score_array(np.array([1.0, 3.0]), q(2, 2)).tolist() == [0, 100]
+    assert score_array(np.array([1.0, 3.0]), q(0, 0)).tolist() == [0, 100]
+    assert score_array(np.array([1.0, 3.0]), None).tolist() == [0, 100]
 
 
 @pytest.mark.parametrize("stage", ["reserved", "claimed", "allocating"])
