@@ -369,7 +369,6 @@ class KwokAgents:
         self._listed_nodes: dict[str, Mapping[str, str]] = {}
         self._listed_at: float | None = None
         self._list_lock = threading.Lock()
-        self._clock = time.monotonic
 
     # Per node -----------------------------------------------------------------------------
 
@@ -392,7 +391,7 @@ class KwokAgents:
             found = self._listed_nodes.pop(name, None)
             if found is not None:
                 return found
-            now = self._clock()
+            now = time.monotonic()
             if self._listed_at is not None and now - self._listed_at < NODE_RELIST_S:
                 return None
             self._listed_at = now
