@@ -3,12 +3,12 @@
 Starts Jaeger v2 (``hack/jaeger.yaml``: in-memory storage, OTLP/gRPC receiver and query API on
 free loopback ports), a dev cluster whose ``tessera-scheduler`` and plugin server export to it
 (OTEL_* variables through ``start_stack(tracing_env=...)``), schedules a GPU pod and reads its
-trace back from Jaeger's HTTP API: the shim's root span with its PreFilter/Reserve/PreBind
-client spans, each the parent of the plugin server's span for that RPC, which holds the
-server's own work (decide, reserve, prebind.wait), and its tessera.Bind span (the Binding
-write); the plugin server's JSON log line of the reservation names that trace. Skipped only
-when the ``jaeger`` binary is not built. Typically 35-50 s on a 2-core machine (the cluster's
-start is most of it).
+trace back from Jaeger's HTTP API: the shim's root span with its PreFilter/Reserve client
+spans, each the parent of the plugin server's span for that RPC, which holds the server's own
+work (decide, reserve), and its tessera.Bind span (the Binding write; no PreBind: nothing on
+the node makes the pod wait, so Reserve hands the annotations over); the plugin server's
+JSON log line of the reservation names that trace. Skipped only when the ``jaeger`` binary is
+not built. Typically 35-50 s on a 2-core machine (the cluster's start is most of it).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ RPC: Final = "tessera.plugin.v1.Scheduler"
 # Shim call span -> the plugin server's span for that RPC -> the server's child spans.
 CALLS: Final = {
     "tessera.PreFilter": (f"{RPC}/PreFilter", ("decide",)),
+    # Nothing on the node makes the pod wait: Reserve hands the annotations to Tessera's
+    # Bind, which writes them in the Binding, and PreBind is skipped.
     "tessera.Reserve": (f"{RPC}/Reserve", ("reserve",)),
-    # Tessera's Bind writes the annotations in the Binding: the server only waits.
-    "tessera.PreBind": (f"{RPC}/PreBind", ("prebind.wait",)),
 }
 NODES: Final = 2
 TRACE_WAIT_S: Final = 30.0
@@ -198,6 +198,8 @@ def problems(spans: Mapping[str, Span], pod: str) -> list[str]:
     binds = [s for s in spans.values() if s.name == "tessera.Bind" and s.parent_id == root.span_id]
     if len(binds) != 1 or binds[0].service != SCHEDULER_SERVICE:
         out.append(f"tessera.Bind: {len(binds)} shim spans under the root")
+    if any(s.name == "tessera.PreBind" for s in spans.values()):
+        out.append("tessera.PreBind called although Reserve could hand the annotations over")
     for call_name, (server_name, work) in CALLS.items():
         calls = [s for s in spans.values() if s.name == call_name and s.parent_id == root.span_id]
         if len(calls) != 1 or calls[0].service != SCHEDULER_SERVICE:

@@ -104,10 +104,11 @@ def test_scraped_endpoint_shows_the_mig_instance_and_the_hami_core_gpu(
     text = eventually(with_core_lines, timeout_s=30, what=f"series {core_lines}")
     assert value_of(text, f"hami_gpu_memory_limit_bytes{{{labels}}} ") == gpu.devmem * MIB
 
-    # Both pods went through PreFilter, Reserve and PreBind of this plugin server.
+    # Both pods went through PreFilter and Reserve of this plugin server (Reserve handed
+    # their annotations over: PreBind was skipped).
     assert value_of(text, 'tessera_scheduler_decisions_total{outcome="schedulable"} ') >= 2
-    prebinds = 'tessera_scheduler_rpc_duration_seconds_count{code="OK",method="PreBind"} '
-    assert value_of(text, prebinds) >= 2
+    reserves = 'tessera_scheduler_rpc_duration_seconds_count{code="OK",method="Reserve"} '
+    assert value_of(text, reserves) >= 2
     assert value_of(text, "tessera_scheduler_decision_duration_seconds_count ") >= 2
 
     # A deleted pod's instance is no longer reported.

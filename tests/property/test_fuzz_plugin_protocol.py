@@ -165,7 +165,11 @@ def calls(draw: st.DrawFn) -> tuple[str, Message]:
         )
     if method == "Reserve":
         return method, pb.ReserveRequest(
-            version=version, pod=ref, node=draw(node_names), decision_id=draw(decision_ids)
+            version=version,
+            pod=ref,
+            node=draw(node_names),
+            decision_id=draw(decision_ids),
+            hand_over=draw(st.booleans()),
         )
     if method == "Explain":
         return method, pb.ExplainRequest(version=version, pod=ref, decision_id=draw(decision_ids))
@@ -190,7 +194,8 @@ def cycles(draw: st.DrawFn) -> list[tuple[str, Message]]:
             version=V1, pod=ref, pod_json=json.dumps(builder.build()).encode()
         )),
         ("Reserve", pb.ReserveRequest(
-            version=V1, pod=ref, node=node, decision_id=draw(st.integers(0, 4))
+            version=V1, pod=ref, node=node, decision_id=draw(st.integers(0, 4)),
+            hand_over=draw(st.booleans()),
         )),
         ("PreBind", pb.PreBindRequest(version=V1, pod=ref, node=node)),
     ]  # fmt: skip

@@ -149,9 +149,13 @@ class Harness:
     def prefilter(self, pod: dict[str, Any]) -> pb.PreFilterResponse:
         return self.stub.PreFilter(prefilter_req(pod), timeout=10)  # type: ignore[no-any-return]
 
-    def reserve(self, name: str, node: str, decision_id: int = 0) -> None:
-        self.stub.Reserve(
-            pb.ReserveRequest(version=V1, pod=ref(name), node=node, decision_id=decision_id),
+    def reserve(
+        self, name: str, node: str, decision_id: int = 0, *, hand_over: bool = False
+    ) -> pb.ReserveResponse:
+        return self.stub.Reserve(  # type: ignore[no-any-return]
+            pb.ReserveRequest(
+                version=V1, pod=ref(name), node=node, decision_id=decision_id, hand_over=hand_over
+            ),
             timeout=10,
         )
 
@@ -475,6 +479,60 @@ def test_prebind_hand_over_writes_nothing_and_answers_the_same_annotations(h: Ha
     assert len(json.loads(handed[ann.MIG_ALLOCATIONS])) == 2
     # The node is claimed for them until the watch shows the pod bound with them.
     assert "default/p" in h.cache.allocating("n")
+
+
+def _reserve_handing_over(h: Harness, pod: dict[str, Any], node: str) -> dict[str, str]:
+    r = h.prefilter(pod)
+    assert r.code == OK, r.message
+    return dict(h.reserve(pod["metadata"]["name"], node, r.decision_id, hand_over=True).annotations)
+
+
+def test_reserve_hands_over_at_once_when_nothing_on_the_node_is_ambiguous(h: Harness) -> None:
+    """Reserve answers the annotations PreBind would (the shim then skips PreBind), writes
+    nothing and claims the node: a second pod the node agent could not tell apart gets none
+    and waits at PreBind until the first is allocated or released."""
+    h.cache.apply_node(node_obj("n", mig_gpu("GPU-m"), mig_gpu("GPU-k", index=1)))
+    handed = _reserve_handing_over(h, make_pod("p").gpu(2, mem=8000).mode("mig").build(), "n")
+    assert (
+        handed[ann.BIND_PHASE] == "allocating" and len(json.loads(handed[ann.MIG_ALLOCATIONS])) == 2
+    )
+    assert dict(h.prebind("p", "n", hand_over=True).annotations) == handed  # as PreBind's
+    assert h.kube.patches == []
+    assert "default/p" in h.cache.allocating("n")
+    second = make_pod("q").gpu(2, mem=8000).mode("mig").build()
+    assert _reserve_handing_over(h, second, "n") == {}  # p is allocating, same count
+    assert h.cache.state.allocation("default/q") is not None  # still reserved
+    waiting = h.stub.PreBind.future(
+        pb.PreBindRequest(version=V1, pod=ref("q"), node="n", hand_over=True), timeout=10
+    )
+    time.sleep(0.3)
+    assert not waiting.done()
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"), timeout=5)
+    assert waiting.result().annotations[ann.VGPU_NODE] == "n"
+    assert h.kube.patches == []
+
+
+def test_reserve_without_hand_over_answers_nothing_and_leaves_the_claim_to_prebind(
+    h: Harness,
+) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    r = h.prefilter(make_pod("p").gpu(1, mem=1000).build())
+    assert dict(h.reserve("p", "n", r.decision_id).annotations) == {}
+    assert "default/p" not in h.cache.allocating("n")
+    assert h.prebind("p", "n").annotations[ann.VGPU_NODE] == "n"
+    assert [path for path, _ in h.kube.patches] == ["/api/v1/namespaces/default/pods/p"]
+
+
+def test_unreserve_after_a_failed_reserve_hand_over_binding_releases_without_a_write(
+    h: Harness,
+) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    empty = h.cache.state.usage_snapshot()
+    assert _reserve_handing_over(h, make_pod("p").gpu(1, mem=1000).build(), "n")
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
+    assert h.kube.patches == []
+    assert h.cache.state.usage_snapshot() == empty
+    assert "default/p" not in h.cache.allocating("n")
 
 
 def test_unreserve_after_a_failed_hand_over_binding_releases_without_a_write(

@@ -67,20 +67,31 @@ class PreFilterResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ..., feasible_total: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("version", "pod", "node", "decision_id")
+    __slots__ = ("version", "pod", "node", "decision_id", "hand_over")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     pod: PodRef
     node: str
     decision_id: int
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., decision_id: _Optional[int] = ...) -> None: ...
+    hand_over: bool
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., decision_id: _Optional[int] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("annotations",)
+    class AnnotationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    annotations: _containers.ScalarMap[str, str]
+    def __init__(self, annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UnreserveRequest(_message.Message):
     __slots__ = ("version", "pod", "node")

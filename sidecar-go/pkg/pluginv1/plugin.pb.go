@@ -369,11 +369,15 @@ func (x *PreFilterResponse) GetFeasibleTotal() uint32 {
 }
 
 type ReserveRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Version       ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
-	Pod           *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
-	Node          string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
-	DecisionId    uint64                 `protobuf:"varint,4,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Version    ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
+	Pod        *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
+	Node       string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	DecisionId uint64                 `protobuf:"varint,4,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	// As PreBindRequest.hand_over: the shim's Bind writes the annotations with the pod's
+	// nodeName in one Binding. The server then claims the node for the pod at once when no pod
+	// it must wait for is allocating there, and answers the annotations: the shim skips PreBind.
+	HandOver      bool `protobuf:"varint,5,opt,name=hand_over,json=handOver,proto3" json:"hand_over,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -436,8 +440,20 @@ func (x *ReserveRequest) GetDecisionId() uint64 {
 	return 0
 }
 
+func (x *ReserveRequest) GetHandOver() bool {
+	if x != nil {
+		return x.HandOver
+	}
+	return false
+}
+
 type ReserveResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Errors are gRPC status codes (ABORTED: the node no longer fits). With hand_over, the
+	// reservation's annotations when the node was claimed at once (the shim's Binding carries
+	// them and PreBind is not called); empty when the pod must wait at PreBind (an earlier pod
+	// the node agent could not tell apart is allocating on the node) or without hand_over.
+	Annotations   map[string]string `protobuf:"bytes,1,rep,name=annotations,proto3" json:"annotations,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -470,6 +486,13 @@ func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
 // Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
 func (*ReserveResponse) Descriptor() ([]byte, []int) {
 	return file_api_plugin_v1_plugin_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ReserveResponse) GetAnnotations() map[string]string {
+	if x != nil {
+		return x.Annotations
+	}
+	return nil
 }
 
 type UnreserveRequest struct {
@@ -820,14 +843,19 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x02OK\x10\x01\x12\b\n" +
 	"\x04SKIP\x10\x02\x12\x11\n" +
 	"\rUNSCHEDULABLE\x10\x03\x12\v\n" +
-	"\aINVALID\x10\x04\"\xb0\x01\n" +
+	"\aINVALID\x10\x04\"\xcd\x01\n" +
 	"\x0eReserveRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
 	"\x04node\x18\x03 \x01(\tR\x04node\x12\x1f\n" +
 	"\vdecision_id\x18\x04 \x01(\x04R\n" +
-	"decisionId\"\x11\n" +
-	"\x0fReserveResponse\"\x91\x01\n" +
+	"decisionId\x12\x1b\n" +
+	"\thand_over\x18\x05 \x01(\bR\bhandOver\"\xa8\x01\n" +
+	"\x0fReserveResponse\x12U\n" +
+	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.ReserveResponse.AnnotationsEntryR\vannotations\x1a>\n" +
+	"\x10AnnotationsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x91\x01\n" +
 	"\x10UnreserveRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
@@ -873,7 +901,7 @@ func file_api_plugin_v1_plugin_proto_rawDescGZIP() []byte {
 }
 
 var file_api_plugin_v1_plugin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_api_plugin_v1_plugin_proto_goTypes = []any{
 	(ProtocolVersion)(0),        // 0: tessera.plugin.v1.ProtocolVersion
 	(PreFilterResponse_Code)(0), // 1: tessera.plugin.v1.PreFilterResponse.Code
@@ -888,7 +916,8 @@ var file_api_plugin_v1_plugin_proto_goTypes = []any{
 	(*PreBindResponse)(nil),     // 10: tessera.plugin.v1.PreBindResponse
 	(*ExplainRequest)(nil),      // 11: tessera.plugin.v1.ExplainRequest
 	(*ExplainResponse)(nil),     // 12: tessera.plugin.v1.ExplainResponse
-	nil,                         // 13: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	nil,                         // 13: tessera.plugin.v1.ReserveResponse.AnnotationsEntry
+	nil,                         // 14: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
 }
 var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	0,  // 0: tessera.plugin.v1.PreFilterRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
@@ -896,28 +925,29 @@ var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	1,  // 2: tessera.plugin.v1.PreFilterResponse.code:type_name -> tessera.plugin.v1.PreFilterResponse.Code
 	0,  // 3: tessera.plugin.v1.ReserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 4: tessera.plugin.v1.ReserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	0,  // 5: tessera.plugin.v1.UnreserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 6: tessera.plugin.v1.UnreserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	0,  // 7: tessera.plugin.v1.PreBindRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 8: tessera.plugin.v1.PreBindRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	13, // 9: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
-	0,  // 10: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 11: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	3,  // 12: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
-	5,  // 13: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
-	7,  // 14: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
-	9,  // 15: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
-	11, // 16: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
-	4,  // 17: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
-	6,  // 18: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
-	8,  // 19: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
-	10, // 20: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
-	12, // 21: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
-	17, // [17:22] is the sub-list for method output_type
-	12, // [12:17] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	13, // 5: tessera.plugin.v1.ReserveResponse.annotations:type_name -> tessera.plugin.v1.ReserveResponse.AnnotationsEntry
+	0,  // 6: tessera.plugin.v1.UnreserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 7: tessera.plugin.v1.UnreserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	0,  // 8: tessera.plugin.v1.PreBindRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 9: tessera.plugin.v1.PreBindRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	14, // 10: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	0,  // 11: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 12: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	3,  // 13: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
+	5,  // 14: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
+	7,  // 15: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
+	9,  // 16: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
+	11, // 17: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
+	4,  // 18: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
+	6,  // 19: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
+	8,  // 20: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
+	10, // 21: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
+	12, // 22: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
+	18, // [18:23] is the sub-list for method output_type
+	13, // [13:18] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_api_plugin_v1_plugin_proto_init() }
@@ -931,7 +961,7 @@ func file_api_plugin_v1_plugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_api_plugin_v1_plugin_proto_rawDesc), len(file_api_plugin_v1_plugin_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   12,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

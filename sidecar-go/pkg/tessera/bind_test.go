@@ -81,6 +81,57 @@ func TestBindCarriesTheHandedOverAnnotationsInOneBinding(t *testing.T) {
 	}
 }
 
+func TestReserveHandOverSkipsPreBindAndBindCarriesTheAnnotations(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		bind        []string
+		serverHands bool
+		wantAsk     bool // ReserveRequest.hand_over
+		wantPreBind bool // PreBind still runs and calls the server
+	}{
+		{"nothing to wait for on the node", []string{Name, "DefaultBinder"}, true, true, false},
+		{"the pod must wait at PreBind", []string{Name, "DefaultBinder"}, false, true, true},
+		{"DefaultBinder binds first", []string{"DefaultBinder", Name}, true, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake_, p := startFake(t, nil)
+			cs := fake.NewClientset()
+			got := bindings(cs, nil)
+			p.handle = &fakeHandle{cs: cs, bind: tc.bind}
+			fake_.set(func(s *fakeServer) { s.reserveHandsOver = tc.serverHands })
+			pod := makePod("p").gpu("1").obj()
+			ctx := context.Background()
+			state := decided(t, fake_, p)
+			if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+				t.Fatalf("Reserve = %v", st)
+			}
+			if _, r, _, _ := fake_.last(); r.GetHandOver() != tc.wantAsk {
+				t.Errorf("ReserveRequest.hand_over = %v, want %v", r.GetHandOver(), tc.wantAsk)
+			}
+			_, pre := p.PreBindPreFlight(ctx, state, pod, "n1")
+			if skipped := pre.Code() == fwk.Skip; skipped == tc.wantPreBind {
+				t.Errorf("PreBindPreFlight = %v, want PreBind to run: %v", pre, tc.wantPreBind)
+			}
+			if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
+				t.Fatalf("PreBind = %v", st)
+			}
+			if n := fake_.count("PreBind"); (n > 0) != tc.wantPreBind {
+				t.Errorf("PreBind RPCs = %d, want any: %v", n, tc.wantPreBind)
+			}
+			st := p.Bind(ctx, state, pod, "n1")
+			if !tc.wantAsk {
+				if st.Code() != fwk.Skip || len(*got) != 0 {
+					t.Errorf("Bind = %v with %d bindings, want Skip (DefaultBinder's)", st, len(*got))
+				}
+				return
+			}
+			if !st.IsSuccess() || len(*got) != 1 || (*got)[0].Annotations["hami.io/vgpu-node"] != "n1" {
+				t.Errorf("Bind = %v, bindings %+v, want one Binding carrying the annotations", st, *got)
+			}
+		})
+	}
+}
+
 func TestBindLeavesPodsWithoutHandedOverAnnotationsToDefaultBinder(t *testing.T) {
 	fake_, p := startFake(t, nil)
 	cs := fake.NewClientset()

@@ -39,6 +39,9 @@ type fakeServer struct {
 	bindWaits int // PreBind answers ResourceExhausted ("ask again") this many times first
 	// noAnnotations: PreBind answers no annotations (a broken server).
 	noAnnotations bool
+	// reserveHandsOver: a Reserve asking for hand-over gets the annotations (nothing to wait
+	// for on the node), as the real server answers.
+	reserveHandsOver bool
 	explain       string // Explain's answer
 	lastExpl      *pluginv1.ExplainRequest
 	traceparts    []string
@@ -79,6 +82,9 @@ func (s *fakeServer) Reserve(ctx context.Context, req *pluginv1.ReserveRequest) 
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.lastRes = req
+	if s.reserveHandsOver && req.GetHandOver() {
+		return &pluginv1.ReserveResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
+	}
 	return &pluginv1.ReserveResponse{}, nil
 }
 

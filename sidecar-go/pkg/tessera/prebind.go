@@ -22,13 +22,20 @@ const (
 	preBindRetryMax   = 2 * time.Second
 )
 
-// PreBindPreFlight skips PreBind for pods without a Tessera decision. PreBind only patches the
-// pod's own annotations, so it may run in parallel with other plugins' PreBind.
+// PreBindPreFlight skips PreBind for pods without a Tessera decision and for pods whose
+// annotations Reserve already handed over. PreBind only patches the pod's own annotations, so
+// it may run in parallel with other plugins' PreBind.
 func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, _ *v1.Pod, _ string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
-	if _, err := readDecision(state); err != nil {
+	if _, err := readDecision(state); err != nil || handedOverAtReserve(state) {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
+}
+
+// handedOverAtReserve says whether Reserve's answer already gave Bind the annotations.
+func handedOverAtReserve(state fwk.CycleState) bool {
+	_, err := state.Read(bindKey)
+	return err == nil
 }
 
 // PreBind asks the server for the reservation's annotations: Bind then carries them in the
@@ -36,7 +43,7 @@ func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, _ *v1
 // before DefaultBinder binds. Any failure is an Error so kube-scheduler unreserves and retries
 // the pod instead of binding it without them.
 func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
-	if _, err := readDecision(state); err != nil {
+	if _, err := readDecision(state); err != nil || handedOverAtReserve(state) {
 		return nil
 	}
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanPreBind, "PreBind", pod, nodeName)

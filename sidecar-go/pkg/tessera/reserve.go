@@ -15,6 +15,9 @@ import (
 )
 
 // Reserve asks the server to count the pod's devices on the chosen node now, before binding.
+// When Tessera binds (hand-over) and no earlier pod the node agent could not tell apart is
+// allocating on the node, the answer carries the pod's annotations for Bind and PreBind is
+// skipped: one round trip per pod instead of two.
 func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
 	d, err := readDecision(state)
 	if errors.Is(err, errNoDecision) {
@@ -26,13 +29,17 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanReserve, "Reserve", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
-	_, err = p.client.Reserve(callCtx, &pluginv1.ReserveRequest{
+	resp, err := p.client.Reserve(callCtx, &pluginv1.ReserveRequest{
 		Version:    pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
 		Pod:        podRef(pod),
 		Node:       nodeName,
 		DecisionId: d.id,
+		HandOver:   p.bindsFirst(ctx),
 	})
 	if err == nil {
+		if a := resp.GetAnnotations(); len(a) > 0 {
+			state.Write(bindKey, &handedOver{annotations: a})
+		}
 		traced.end(OutcomeOK, nil)
 		p.wide.remove(pod.UID)
 		return nil
