@@ -54,6 +54,7 @@ MAX_CONTAINERS: Final = 256
 DEFAULT_WORKERS: Final = 16
 _NODE_FIELD: Final = "spec.nodeName="
 _RECONCILE: Final = ""  # queue item: reconcile the node (no pod)
+_START: Final = "start"  # queue item: start the node's agent (no pod key lacks a "/")
 # A node not in the last node list is looked up alone (GET) until this long after that
 # list; then the next miss lists every node again (one paged LIST instead of a GET each).
 NODE_RELIST_S: Final = 30.0
@@ -343,7 +344,8 @@ class FakeNode:
 
 
 class KwokAgents:
-    """One simulated agent per fake node, created when a pod first lands on it."""
+    """One simulated agent per fake node: those there at start are started once the first
+    pod list is indexed, a later node's when a pod first lands on it."""
 
     def __init__(
         self,
@@ -369,6 +371,7 @@ class KwokAgents:
         self._listed_nodes: dict[str, Mapping[str, str]] = {}
         self._listed_at: float | None = None
         self._list_lock = threading.Lock()
+        self._started_all = False  # set by the reflector's thread at the first pod list
 
     # Per node -----------------------------------------------------------------------------
 
@@ -382,6 +385,11 @@ class KwokAgents:
             self._nodes.setdefault(name, agent)
             return self._nodes[name]
 
+    def started(self) -> set[str]:
+        """The fake nodes whose agent has started."""
+        with self._lock:
+            return {name for name, agent in self._nodes.items() if agent is not None}
+
     def _from_node_list(self, name: str) -> Mapping[str, str] | None:
         """The annotations of fake node ``name`` from a node list: the last one, or a new
         one when it lacks the node and is ``NODE_RELIST_S`` old. None: not listed (or the
@@ -394,26 +402,42 @@ class KwokAgents:
             now = time.monotonic()
             if self._listed_at is not None and now - self._listed_at < NODE_RELIST_S:
                 return None
-            self._listed_at = now
-            try:
-                items = self._kube.list("/api/v1/nodes", limit=_NODE_PAGE).get("items") or []
-            except TesseraError as e:
-                log.warning("kwok.node_list_failed", error=str(e))
-                return None
-            with self._lock:
-                built = set(self._nodes)
-            listed: dict[str, Mapping[str, str]] = {}
-            for item in items:
-                meta = item.get("metadata") or {}
-                ann = meta.get("annotations") or {}
-                node_name = meta.get("name")
-                if node_name not in built and _is_fake(ann):
-                    listed[str(node_name)] = {
-                        KWOK_NODE_ANNOTATION: ann[KWOK_NODE_ANNOTATION],
-                        NODE_REGISTER: ann[NODE_REGISTER],
-                    }
-            self._listed_nodes = listed
-            return listed.pop(name, None)
+            self._list_nodes(now)
+            return self._listed_nodes.pop(name, None)
+
+    def _list_nodes(self, now: float) -> None:
+        """One paged LIST: the fake nodes without an agent yet (caller holds the list lock)."""
+        self._listed_at = now
+        try:
+            items = self._kube.list("/api/v1/nodes", limit=_NODE_PAGE).get("items") or []
+        except TesseraError as e:
+            log.warning("kwok.node_list_failed", error=str(e))
+            return
+        with self._lock:
+            built = set(self._nodes)
+        listed: dict[str, Mapping[str, str]] = {}
+        for item in items:
+            meta = item.get("metadata") or {}
+            ann = meta.get("annotations") or {}
+            node_name = meta.get("name")
+            if node_name not in built and _is_fake(ann):
+                listed[str(node_name)] = {
+                    KWOK_NODE_ANNOTATION: ann[KWOK_NODE_ANNOTATION],
+                    NODE_REGISTER: ann[NODE_REGISTER],
+                }
+        self._listed_nodes = listed
+
+    def start_all(self) -> None:
+        """Start the agent of every fake node there is now, each on its node's queue, as a
+        real node's agent starts when the node boots rather than at its first pod. Runs
+        once the first pod list is indexed: an agent's start adopts what its node's pods
+        hold."""
+        with self._list_lock:
+            self._list_nodes(time.monotonic())
+            names = list(self._listed_nodes)
+        for name in names:
+            self._queues.submit(name, _START)
+        log.info("kwok.node_agents_starting", nodes=len(names))
 
     def _build(self, name: str) -> FakeNode | None:
         ann = self._from_node_list(name)
@@ -471,6 +495,8 @@ class KwokAgents:
         if node is None:
             return
         try:
+            if key == _START:
+                return
             if key == _RECONCILE:
                 self.reconcile(node)
                 return
@@ -504,6 +530,9 @@ class KwokAgents:
             node_name = _node_of(pod)
             if node_name:
                 self._queues.submit(node_name, pod_key(pod))
+        if not self._started_all:
+            self._started_all = True
+            threading.Thread(target=self.start_all, name="kwok-start", daemon=True).start()
 
     def start(self) -> None:
         """List + watch all pods (relists on 410 Gone, backs off on errors); every watch

@@ -258,6 +258,18 @@ class CountingKube:
         return getattr(self._api, name)
 
 
+def test_kwok_mode_starts_every_fake_node_agent_before_its_first_pod(
+    api: KubeClient, dev_cluster: ClusterClient
+) -> None:
+    """As a real node's agent starts with its node: the first pod on a node costs no
+    NVML discovery or MIG adoption, and the agents' start costs one node list."""
+    kube = CountingKube(api)
+    with KwokAgents(kube, DeviceConfig(), watch_timeout_s=2) as agents:  # type: ignore[arg-type]
+        eventually(lambda: set(dev_cluster.nodes) <= agents.started(), timeout_s=30)
+        eventually(agents.idle, timeout_s=10)
+        assert kube.node_lists == 1 and kube.node_gets == []
+
+
 def test_kwok_mode_learns_fake_nodes_from_one_node_list_and_looks_up_late_ones_alone(
     api: KubeClient, dev_cluster: ClusterClient
 ) -> None:
