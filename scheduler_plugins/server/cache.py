@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 
 from node_agent.pod_matching import is_candidate, to_allocate
@@ -134,6 +136,13 @@ class ClusterCache:
         # the counts it is asked about.
         self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._busy_by_count: dict[int, dict[str, int]] = {}
+        # The same per count as an array over node slots (a slot per node name, never
+        # reused), so PreFilter reads every node's count in one gather (``busy_per_node``);
+        # with the slots of the last layout's node names.
+        self._slot_of: dict[str, int] = {}
+        self._busy_arr: dict[int, npt.NDArray[np.int64]] = {}
+        self._layout_names: tuple[str, ...] | None = None
+        self._layout_slots: npt.NDArray[np.intp] = np.zeros(0, np.intp)
         self._assumed: dict[str, _Assumed] = {}
 
     # ----- change tracking ---------------------------------------------------------------
@@ -451,6 +460,43 @@ class ClusterCache:
                     busy[node] = busy.get(node, 0) + n
             return busy
 
+    def busy_per_node(
+        self, counts: frozenset[int], names: tuple[str, ...]
+    ) -> npt.NDArray[np.int64] | None:
+        """``busy_nodes`` as an array aligned with ``names`` (a layout's node names: the
+        slots of the last names asked are kept); None when no node is busy."""
+        if not counts:
+            return None
+        with self.lock:
+            arrays = [self._busy_arr[c] for c in (_ANY, *counts) if self._busy_by_count.get(c)]
+            if not arrays:
+                return None
+            if names is not self._layout_names:
+                self._layout_slots = np.fromiter(map(self._slot, names), np.intp, len(names))
+                self._layout_names = names
+            slots = self._layout_slots
+            out = arrays[0][slots]  # a new array: safe to hand out
+            for more in arrays[1:]:
+                out += more[slots]
+            return out
+
+    def _slot(self, node: str) -> int:
+        """Node ``node``'s slot in the busy arrays (caller holds the lock)."""
+        slot = self._slot_of.get(node)
+        if slot is None:
+            slot = self._slot_of[node] = len(self._slot_of)
+            for c, arr in self._busy_arr.items():
+                if slot >= arr.size:
+                    self._busy_arr[c] = np.concatenate([arr, np.zeros(arr.size, np.int64)])
+        return slot
+
+    def _busy_add(self, c: int, node: str, delta: int) -> None:
+        slot = self._slot(node)  # first: a new slot may grow (replace) the arrays
+        arr = self._busy_arr.get(c)
+        if arr is None:
+            arr = self._busy_arr[c] = np.zeros(max(64, 2 * len(self._slot_of)), np.int64)
+        arr[slot] += delta
+
     def _refresh_inflight(self, key: str) -> None:
         """Re-derive pod ``key``'s entry in the busy index from its overlays: its claim
         (what PreBind wrote) first, else the watch's allocating annotations, else its
@@ -479,6 +525,7 @@ class ClusterCache:
                     on[node] -= 1
                 else:
                     del on[node]
+                self._busy_add(c, node, -1)
             del self._inflight[key]
         if entry is not None:
             self._inflight[key] = entry
@@ -486,6 +533,7 @@ class ClusterCache:
             for c in entry[1]:
                 on = self._busy_by_count.setdefault(c, {})
                 on[node] = on.get(node, 0) + 1
+                self._busy_add(c, node, 1)
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
         with self.lock:

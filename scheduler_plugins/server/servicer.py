@@ -534,24 +534,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """Per feasible node (``feasible``: the decision's node indices), how many in-flight
         pods PreBind of ``req`` would wait for there (the node agent could not tell them
         apart). Scoring busy nodes last spreads a burst over node agents instead of queueing
-        it behind one (binpack order holds among the others). The cost follows the busy
-        nodes, not the feasible ones (a Python loop over 800 feasible names was a quarter
-        of the server's CPU in a 1000-node drain)."""
+        it behind one (binpack order holds among the others). One numpy gather per device
+        count from the cache's busy arrays: no Python work per node (mapping a thousand
+        busy node names to segments per call was 4% of the server's CPU in a 1000-node
+        drain)."""
         if not feasible.size:
             return None
-        busy = self._cache.busy_nodes(_device_counts(req))
-        if not busy:
-            return None
-        per_node = np.zeros(len(decision.layout.names), dtype=np.int64)
-        # Name -> segment in C (map over dict.get), not a Python loop: hundreds of nodes
-        # are busy while node agents lag behind a burst.
-        where = np.fromiter(
-            map(decision.layout.seg_index.get, busy, itertools.repeat(-1)), np.int64, len(busy)
-        )
-        queued = np.fromiter(busy.values(), np.int64, len(busy))
-        known = where >= 0
-        per_node[where[known]] = queued[known]
-        return per_node[feasible]
+        per_node = self._cache.busy_per_node(_device_counts(req), decision.layout.names)
+        return None if per_node is None else per_node[feasible]
 
     def _refuse_bound(self, key: str) -> None:
         """A pod the watch shows bound is not reserved or annotated again: the scheduler

@@ -20,6 +20,8 @@ from tests.builders import make_pod
 NODES = ("n1", "n2", "n3")
 PODS = ("a", "b", "c", "d")
 WANTED = (frozenset({1}), frozenset({2}), frozenset({1, 3}), frozenset({4}))
+# Layouts' node names busy_per_node is asked about: all, some, a node never busy, none.
+LAYOUTS = (NODES, ("n3", "n1"), ("n2", "gpu-less-n9"), ())
 
 
 def _entry(counts: list[int]) -> str:
@@ -112,4 +114,26 @@ def test_index_equals_a_recount_after_every_change(sequence: list[tuple[Any, ...
         else:
             cache.forget_pod(key)
         for wanted in WANTED:
-            assert cache.busy_nodes(wanted) == _recount(cache, wanted), (op, wanted)
+            recount = _recount(cache, wanted)
+            assert cache.busy_nodes(wanted) == recount, (op, wanted)
+            for names in LAYOUTS:
+                per_node = cache.busy_per_node(wanted, names)
+                got = {} if per_node is None else dict(zip(names, per_node.tolist(), strict=True))
+                assert {n: c for n, c in got.items() if c} == {
+                    n: c for n, c in recount.items() if n in names and c
+                }, (op, wanted, names)
+
+
+def test_busy_arrays_grow_past_their_first_size_and_follow_new_layouts() -> None:
+    cache = ClusterCache(DeviceConfig())
+    nodes = tuple(f"n{i:03d}" for i in range(300))
+    for i, node in enumerate(nodes):
+        cache.assume(PodAllocation(f"default/p{i}", node, (), ()), frozenset({1 + i % 2}))
+    per_node = cache.busy_per_node(frozenset({1}), nodes)
+    assert per_node is not None and per_node.tolist() == [1 - i % 2 for i in range(300)]
+    later = (*nodes[::-1], "n-new")
+    per_node = cache.busy_per_node(frozenset({1, 2}), later)
+    assert per_node is not None and per_node.tolist() == [1] * 300 + [0]
+    cache.forget("default/p0")
+    per_node = cache.busy_per_node(frozenset({1}), later)
+    assert per_node is not None and per_node[-2:].tolist() == [0, 0]  # n000's pod is gone
