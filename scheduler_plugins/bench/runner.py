@@ -272,12 +272,14 @@ def _drain(
         progress=Progress(title, len(pods), enabled=opts.progress),
     )
     sampler.mark("drain-end")
-    return drain_json(
+    out = drain_json(
         b,
         resumed,
         cpu_s=sampler.cpu_between("drain-start", "drain-end"),
         requests=sampler.requests_json("drain-start", "drain-end", len(b.bound)),
     )
+    out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")
+    return out
 
 
 def _churn(

@@ -468,13 +468,15 @@ class ClusterCache:
         if not counts:
             return None
         with self.lock:
-            arrays = [self._busy_arr[c] for c in (_ANY, *counts) if self._busy_by_count.get(c)]
-            if not arrays:
+            wanted = [c for c in (_ANY, *counts) if self._busy_by_count.get(c)]
+            if not wanted:
                 return None
             if names is not self._layout_names:
+                # First: a new name's slot may grow (replace) the arrays.
                 self._layout_slots = np.fromiter(map(self._slot, names), np.intp, len(names))
                 self._layout_names = names
             slots = self._layout_slots
+            arrays = [self._busy_arr[c] for c in wanted]
             out = arrays[0][slots]  # a new array: safe to hand out
             for more in arrays[1:]:
                 out += more[slots]

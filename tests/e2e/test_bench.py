@@ -94,6 +94,8 @@ def test_bench_runs_both_schedulers_and_reports(
     series = {(h["name"], h["labels"].get("method")) for h in tessera["plugin_rpc"]}
     assert ("tessera_scheduler_decision_duration_seconds", None) in series
     assert ("tessera_scheduler_rpc_duration_seconds", "PreFilter") in series
+    drained = {(h["name"], h["labels"].get("method")) for h in tessera["drain"]["plugin_rpc"]}
+    assert ("tessera_scheduler_rpc_duration_seconds", "Reserve") in drained
     assert run["phases"]["stock"]["check"] is None
     assert run["ratio"]["throughput"] > 0
 

@@ -137,3 +137,7 @@ def test_busy_arrays_grow_past_their_first_size_and_follow_new_layouts() -> None
     cache.forget("default/p0")
     per_node = cache.busy_per_node(frozenset({1}), later)
     assert per_node is not None and per_node[-2:].tolist() == [0, 0]  # n000's pod is gone
+    # A layout whose new names outgrow the arrays (512 slots) in the very call asking.
+    grown = (*nodes, *(f"late-{i}" for i in range(300)))
+    per_node = cache.busy_per_node(frozenset({2}), grown)
+    assert per_node is not None and per_node.tolist() == [i % 2 for i in range(300)] + [0] * 300

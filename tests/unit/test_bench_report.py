@@ -154,6 +154,29 @@ def test_write_report_files(tmp_path: Path) -> None:
     assert "## Plots" not in md
 
 
+def test_markdown_lists_the_rpcs_of_the_drain_and_of_the_main_workload() -> None:
+    result = _result()
+    tessera = result["runs"][0]["phases"]["tessera"]
+    tessera["drain"]["plugin_rpc"] = [
+        {
+            "name": "rpc_duration_seconds",
+            "labels": {"method": "PreBind", "code": "RESOURCE_EXHAUSTED"},
+            "count": 42,
+            "unit": "ms",
+            "mean": 500.0,
+            "p50": 400.0,
+            "p90": 900.0,
+            "p99": 1000.0,
+        }
+    ]
+    text = markdown(result, [])
+    assert (
+        "| 1000 | drain | rpc_duration_seconds{code=RESOURCE_EXHAUSTED,method=PreBind} | 42 |"
+        in text
+    )
+    assert "| 1000 | main | tessera_scheduler_decision_duration_seconds{} | 10 |" in text
+
+
 def test_markdown_says_why_rpc_histograms_are_missing() -> None:
     result = _result()
     result["runs"][0]["phases"]["tessera"]["plugin_rpc"] = []
