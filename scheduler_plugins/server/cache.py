@@ -329,7 +329,8 @@ class ClusterCache:
     def _track_allocating(
         self, pod: Obj, key: str, node: str, annotations: Mapping[str, str]
     ) -> None:
-        before = self._drop_allocating(key)
+        blocked_before = self._blocking_entries(key)
+        self._drop_allocating(key)
         # Only a pod bound to the node is allocating there: the node agent sees no other. An
         # unbound pod's bind annotations are either this server's PreBind waiting for its
         # Bind (its claim stands for it) or left over from an attempt that never bound (a
@@ -346,8 +347,24 @@ class ClusterCache:
             and _carries(annotations, claim.annotations)
         ):
             self._drop_claim(key)  # the watch shows it bound with our patch
-        if before is not None or key in self._allocating.get(node, ()) or claim is not None:
-            self._notify(before, node, claim.node if claim is not None else None)
+        # Wake a node's waiting PreBinds only when what this pod blocks there changed: not
+        # when the watch shows a claimed pod bound with what was claimed, nor for the status
+        # updates of a pod done allocating (half the wakeups of a drain were for nothing).
+        changed = blocked_before ^ self._blocking_entries(key)
+        if changed:
+            self._notify(*{n for n, _ in changed})
+
+    def _blocking_entries(self, key: str) -> set[tuple[str, str]]:
+        """What pod ``key`` blocks, as ``blocking`` sees it: (node, its to-allocate entry)
+        for its claim and, on another node, for its watched allocation."""
+        out: set[tuple[str, str]] = set()
+        claim = self._claims.get(key)
+        if claim is not None:
+            out.add((claim.node, claim.annotations.get(ann.DEVICES_TO_ALLOCATE, "")))
+        node = self._allocating_node.get(key)
+        if node is not None and (claim is None or claim.node != node):
+            out.add((node, self._allocating[node][key].get(ann.DEVICES_TO_ALLOCATE, "")))
+        return out
 
     def _drop_allocating(self, key: str) -> str | None:
         node = self._allocating_node.pop(key, None)

@@ -1324,3 +1324,33 @@ def test_prefilter_answers_the_best_candidates_and_reserve_takes_any_feasible_no
     other = next(n for n in full.feasible_nodes if n not in r.feasible_nodes)
     h.reserve("p", other, r.decision_id)
     assert h.cache.state.is_assumed("default/p")
+
+
+def test_waiting_prebinds_wake_only_when_what_blocks_them_changes() -> None:
+    """A node's waiters wake when a pod stops blocking there (or blocks differently), not
+    when the watch shows a claimed pod bound with what was claimed, nor for the status
+    updates of a pod done allocating."""
+    cache = ClusterCache(DeviceConfig())
+    woken: list[tuple[str | None, ...]] = []
+    notify = cache._notify
+
+    def recording(*nodes: str | None) -> None:
+        woken.append(nodes)
+        notify(*nodes)
+
+    cache._notify = recording  # type: ignore[method-assign]
+    cache.apply_node(node_obj("n", gpu("GPU-0"), gpu("GPU-1", index=1)))
+    bound = _allocating("p", "n", [("GPU-0", 1000, 0)])
+    cache.claim("default/p", "n", dict(bound["metadata"]["annotations"]))
+    cache.apply_pod(bound)  # bound with the claimed annotations: still blocks the same
+    assert woken == [] and "default/p" in cache.allocating("n")
+    assert "default/p" not in cache._claims  # the watch stands for the claim now
+    bound["metadata"]["annotations"][ann.BIND_PHASE] = "success"
+    bound["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
+    bound["metadata"]["resourceVersion"] = "2"
+    cache.apply_pod(bound)  # allocated: waiters on n may go
+    assert [set(w) for w in woken] == [{"n"}]
+    bound["status"]["phase"] = "Running"
+    bound["metadata"]["resourceVersion"] = "3"
+    cache.apply_pod(bound)  # kwok's status update: blocks nobody before or after
+    assert len(woken) == 1
