@@ -18,6 +18,10 @@ log = structlog.get_logger("tessera.plugin_server")
 
 IN_CLUSTER = "in-cluster"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9395"  # HAMi's scheduler metrics port
+# RPC worker threads: waiting PreBinds park on one each (~16 KiB resident); 16 stay for the
+# other calls. The pod's pids limit must allow this many threads.
+DEFAULT_RPC_WORKERS = 2048
+MIN_RPC_WORKERS = 32
 
 
 def add_plugin_server_commands(
@@ -59,9 +63,31 @@ def add_plugin_server_commands(
     p.add_argument(
         "--watch-timeout", type=int, default=60, metavar="SECONDS", help="seconds per watch request"
     )
+    p.add_argument(
+        "--rpc-workers",
+        type=_rpc_workers,
+        default=DEFAULT_RPC_WORKERS,
+        metavar="N",
+        help="gRPC worker threads; PreBinds waiting for an earlier pod on their node hold one "
+        "each, so a queue drain of thousands of pods wants hundreds (default "
+        f"{DEFAULT_RPC_WORKERS}; the pod's pids limit must allow them)",
+    )
     add_logging_flags(p)
     p.set_defaults(func=_cmd_plugin_server)
     return p
+
+
+def _rpc_workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < MIN_RPC_WORKERS:
+        raise argparse.ArgumentTypeError(
+            f"{n} is too few: at least {MIN_RPC_WORKERS} (16 stay for PreFilter and the other "
+            "calls while PreBinds wait)"
+        )
+    return n
 
 
 def _client(kubeconfig: str) -> KubeClient:
@@ -99,6 +125,7 @@ def _cmd_plugin_server(args: argparse.Namespace) -> int:
             allow_remote=args.allow_remote,
             prebind_wait_s=args.prebind_wait,
             watch_timeout_s=args.watch_timeout,
+            workers=args.rpc_workers,
             tracing=tracing,
             metrics_address=args.metrics_address or None,
         ) as server,

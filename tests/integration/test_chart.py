@@ -625,6 +625,16 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         "set nodeAgent.nvml.simulatedGpus",
     ),
     (
+        "too few plugin server RPC workers",
+        {"scheduler": {"pluginServer": {"rpcWorkers": 8}}},
+        "scheduler.pluginServer.rpcWorkers must be a whole number of at least 32, got 8",
+    ),
+    (
+        "plugin server RPC workers that are not a number",
+        {"scheduler": {"pluginServer": {"rpcWorkers": "lots"}}},
+        "scheduler.pluginServer.rpcWorkers must be a whole number of at least 32, got lots",
+    ),
+    (
         "device config that is not YAML",
         {"deviceConfigYaml": "nvidia: [unclosed"},
         "deviceConfigYaml is not valid YAML",
