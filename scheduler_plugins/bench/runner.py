@@ -12,6 +12,7 @@ request counts come from ``sampling``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import threading
@@ -215,7 +216,13 @@ def run_phase(
                         out["churn"]["revived_by_kwok"] = len(revived)
                     if revived:
                         time.sleep(CHECK_SETTLE_S)  # the node agents reclaim their instances
-                    out["check"] = run_check(slow, scheduler.agent_state(settings))
+                    out["check"] = run_check(
+                        slow,
+                        scheduler.agent_state(settings),
+                        before_retry=functools.partial(delete_resurrected, slow, marked, "main"),
+                    )
+                    if "churn" in out:  # with those revived after the first sweep
+                        out["churn"]["revived_by_kwok"] += len(out["check"].get("revived_late", []))
             else:
                 out["check"] = None
     except (TesseraError, TimeoutError, OSError) as e:

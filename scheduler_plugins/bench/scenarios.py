@@ -9,7 +9,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,12 +232,24 @@ def pending_reasons(api: KubeClient, label: str, limit: int = 5) -> dict[str, in
     return dict(reasons.most_common(limit))
 
 
-def run_check(api: KubeClient, sim_state: Path | None) -> Json:
-    """``check_cluster``, once more after a pause if the first snapshot caught pods in flight."""
+def run_check(
+    api: KubeClient,
+    sim_state: Path | None,
+    *,
+    before_retry: Callable[[], Sequence[str]] | None = None,
+) -> Json:
+    """``check_cluster``, once more after a pause if the first snapshot caught pods in flight.
+
+    ``before_retry`` runs before the second look (the bench deletes the pods kwok revived
+    since its last look: kwok can revive one seconds after the first sweep); the pods it
+    names are reported as ``revived_late``."""
+    late: Sequence[str] = ()
     try:
         report: CheckReport = check_cluster(api, sim_state=sim_state)
         attempts = 1
         if not report.ok:
+            if before_retry is not None:
+                late = before_retry()
             time.sleep(CHECK_RETRY_S)
             report = check_cluster(api, sim_state=sim_state)
             attempts = 2
@@ -246,6 +258,7 @@ def run_check(api: KubeClient, sim_state: Path | None) -> Json:
     return {
         "ok": report.ok,
         "attempts": attempts,
+        "revived_late": list(late),
         "summary": report.summary().splitlines()[0],
         "violations": [str(v) for v in report.violations[:20]],
         "violation_count": len(report.violations),

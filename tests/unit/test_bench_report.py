@@ -8,12 +8,19 @@ from typing import Any, cast
 
 import pytest
 
+from scheduler_plugins.bench import scenarios
 from scheduler_plugins.bench.batches import Batch, batch_json, burst_json, drain_json
 from scheduler_plugins.bench.errors import BenchError
 from scheduler_plugins.bench.report import decision_series, markdown, targets, write_report
 from scheduler_plugins.bench.runner import ratios
-from scheduler_plugins.bench.scenarios import churn_pods, concurrency_bursts, delete_resurrected
+from scheduler_plugins.bench.scenarios import (
+    churn_pods,
+    concurrency_bursts,
+    delete_resurrected,
+    run_check,
+)
 from scheduler_plugins.bench.workload import generate, mig_burst
+from scheduler_plugins.check import CheckReport, Violation, ViolationKind
 from scheduler_plugins.kube.client import KubeClient
 from scheduler_plugins.node_register import GpuDevice
 
@@ -263,3 +270,26 @@ def test_burst_json() -> None:
     out = burst_json("x", "three", b)
     assert out["all_bound_s"] == 2.5 and out["bound_offsets_s"] == [0.5, 1.5, 2.5]
     assert out["all_allocated_s"] is None and out["nodes"] == ["n"]
+
+
+def test_the_check_deletes_pods_kwok_revived_late_before_looking_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kwok revived a pod after the bench's sweep: the first look sees its lost instance;
+    the pod is deleted before the second look, which passes, and is named."""
+    lost = Violation(ViolationKind.MIG_IDENTITY, "tessera-bench/late", "no instance (lost)")
+    reports = iter([CheckReport((lost,), 1, 2, 2, 1, 0), CheckReport((), 1, 1, 1, 0, 0)])
+    monkeypatch.setattr(scenarios, "check_cluster", lambda api, sim_state: next(reports))
+    monkeypatch.setattr(scenarios, "CHECK_RETRY_S", 0.0)
+    swept: list[str] = []
+
+    def sweep() -> list[str]:
+        swept.append("late")
+        return ["late"]
+
+    got = run_check(cast(KubeClient, None), None, before_retry=sweep)
+    assert (got["ok"], got["attempts"], got["revived_late"], swept) == (True, 2, ["late"], ["late"])
+    reports = iter([CheckReport((), 1, 1, 1, 0, 0)])
+    got = run_check(cast(KubeClient, None), None, before_retry=sweep)
+    assert (got["ok"], got["attempts"], got["revived_late"]) == (True, 1, [])
+    assert swept == ["late"]  # a first look that passes sweeps nothing
