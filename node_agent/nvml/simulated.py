@@ -117,7 +117,11 @@ class CreationHold:
         hold = self.directory / "hold"
         if not hold.exists():
             return
-        (self.directory / f"held-{node}").write_text(what)
+        # Atomic: a watcher that sees the marker reads it whole (write_text creates it empty
+        # first, and a test polling for it read "" once).
+        tmp = self.directory / f".held-{node}.tmp"
+        tmp.write_text(what)
+        tmp.replace(self.directory / f"held-{node}")
         while hold.exists():
             time.sleep(self.poll_s)
 
