@@ -1,0 +1,89 @@
+"""KubeClient decodes answers and watch events (orjson) and names what is not JSON."""
+
+from __future__ import annotations
+
+import http.server
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler_plugins.kube.client import KubeClient
+from scheduler_plugins.kube.errors import InvalidResponseError
+from scheduler_plugins.webhook.certs import ensure_serving_pki
+
+POD = '{"kind":"Pod","metadata":{"name":"p\\u00e9","annotations":{"a":"\\u2603"}},"n":1.5}'
+# path -> (body, chunked watch lines)
+ANSWERS: dict[str, tuple[bytes, bool]] = {
+    "/pod": (POD.encode(), False),
+    "/garbage": (b"{nope", False),
+    "/watch-ok": (b'{"type":"ADDED","object":' + POD.encode() + b"}\n", True),
+    "/watch-garbage": (b'{"type":"ADDED","object":{}}\n{broken\n', True),
+}
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    pki = ensure_serving_pki(tmp_path / "pki", ["127.0.0.1"])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            body, chunked = ANSWERS[self.path.split("?", 1)[0]]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for line in body.splitlines(keepends=True):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(pki.cert), str(pki.key))
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{httpd.server_address[1]}", pki.ca_cert
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_answers_and_watch_events_decode_as_the_stdlib_would(url: tuple[str, Path]) -> None:
+    with KubeClient(url[0], "t", url[1]) as api:
+        pod = api.get("/pod")
+        assert pod == {
+            "kind": "Pod",
+            "metadata": {"name": "pé", "annotations": {"a": "☃"}},
+            "n": 1.5,
+        }
+        with api.watch("/watch-ok") as w:
+            assert list(w) == [{"type": "ADDED", "object": pod}]
+
+
+def test_what_is_not_json_is_named(url: tuple[str, Path]) -> None:
+    with KubeClient(url[0], "t", url[1]) as api:
+        with pytest.raises(
+            InvalidResponseError, match=r"GET /garbage: answer is not JSON: '\{nope'"
+        ):
+            api.get("/garbage")
+        with (
+            api.watch("/watch-garbage") as w,
+            pytest.raises(
+                InvalidResponseError, match=r"watch /watch-garbage: event is not JSON: b'\{broken"
+            ),
+        ):
+            for _ in w:
+                pass
