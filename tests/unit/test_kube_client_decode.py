@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import http.server
-import ssl
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import pytest
 
 from scheduler_plugins.kube.client import KubeClient
 from scheduler_plugins.kube.errors import InvalidResponseError
-from scheduler_plugins.webhook.certs import ensure_serving_pki
+from tests.local_https import serve_https
 
 POD = '{"kind":"Pod","metadata":{"name":"p\\u00e9","annotations":{"a":"\\u2603"}},"n":1.5}'
 # path -> (body, chunked watch lines)
@@ -26,8 +24,6 @@ ANSWERS: dict[str, tuple[bytes, bool]] = {
 
 @pytest.fixture
 def url(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    pki = ensure_serving_pki(tmp_path / "pki", ["127.0.0.1"])
-
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -49,16 +45,8 @@ def url(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(str(pki.cert), str(pki.key))
-    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield f"https://127.0.0.1:{httpd.server_address[1]}", pki.ca_cert
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serve_https(tmp_path, Handler) as served:
+        yield served
 
 
 def test_answers_and_watch_events_decode_as_the_stdlib_would(url: tuple[str, Path]) -> None:

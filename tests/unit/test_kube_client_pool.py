@@ -7,7 +7,6 @@ import contextlib
 import http.server
 import json
 import socket
-import ssl
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_plugins.kube.client import MAX_IDLE_CONNECTIONS, KubeClient
-from scheduler_plugins.webhook.certs import ensure_serving_pki
+from tests.local_https import serve_https
 
 
 @dataclass
@@ -38,7 +37,6 @@ class Server:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    pki = ensure_serving_pki(tmp_path / "pki", ["127.0.0.1"])
     box: dict[str, Server] = {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -62,18 +60,9 @@ def server(tmp_path: Path) -> Iterator[Server]:
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(str(pki.cert), str(pki.key))
-    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    box["s"] = Server(f"https://127.0.0.1:{httpd.server_address[1]}", pki.ca_cert)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_https(tmp_path, Handler) as (url, ca):
+        box["s"] = Server(url, ca)
         yield box["s"]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_sequential_requests_reuse_one_connection(server: Server) -> None:
