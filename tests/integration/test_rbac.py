@@ -506,6 +506,17 @@ def agent_client(dev_cluster: ClusterClient, release: Release) -> Iterator[KubeC
         token(dev_cluster, ACCOUNTS["node-agent"], bound_pod=agent_pod),
         dev_cluster.ca_file,
     ) as client:
+        # The apiserver enforces a new admission policy once its informer has it: on a busy
+        # machine the first writes could pass before. Wait on a write it must deny that is
+        # harmless if it passes (a probe annotation on the other test node).
+        def enforced() -> bool:
+            try:
+                client.merge_patch(f"/api/v1/nodes/{OTHER_NODE}", _annotate(PROBE, "x"))
+            except ApiError as e:
+                return e.status == 403 and "ValidatingAdmissionPolicy" in str(e)
+            return False
+
+        eventually(enforced, timeout_s=60, interval_s=0.5, what="admission policies enforced")
         yield client
 
 
@@ -518,6 +529,9 @@ def workloads(dev_cluster: ClusterClient, release: Release) -> dict[str, str]:
         dev_cluster.api.post(f"/api/v1/namespaces/{NS}/pods", pod(name, node=node))
         out[node] = name
     return out
+
+
+PROBE = "tessera.test/policy-probe"
 
 
 def _annotate(key: str, value: str | None) -> dict[str, Any]:
