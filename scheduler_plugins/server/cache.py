@@ -9,8 +9,9 @@ Owns three overlays on what the API shows:
   in before then; an unbound pod's bind annotations alone block nothing (they may be left
   over from an attempt that never bound);
 - *in flight*: pods reserved, claimed or allocating on a node, with the device counts their
-  remaining containers ask; ``busy_nodes`` names the nodes where a new pod would have to wait
-  for the node agent (``pod_matching.ambiguous``), so the scheduler can prefer others;
+  remaining containers ask; ``busy_per_node`` counts, per node of a layout, the pods a new
+  pod would have to wait behind for the node agent (``pod_matching.ambiguous``), so the
+  scheduler can prefer other nodes;
 - a *generation* that changes with every change that can alter a decision, so a cached
   Decision is used only while it is still exact.
 
@@ -130,17 +131,16 @@ class ClusterCache:
         # PreBinds waiting for a node wait on its own condition: a change on one node wakes
         # only the binds waiting there, not every waiter of the cluster.
         self._node_changed: dict[str, threading.Condition] = {}
-        # What busy_nodes reads, kept per pod as its overlays change: pod key -> (node, the
-        # device counts it still asks, -1 standing for "unreadable: any"), and per count the
-        # nodes with in-flight pods asking it (count -> node -> pods): busy_nodes reads only
-        # the counts it is asked about.
+        # The busy index, kept per pod as its overlays change: pod key -> (node, the device
+        # counts it still asks, -1 standing for "unreadable: any"); per count, the in-flight
+        # pods asking it on each node as an array over node slots (a slot per node name,
+        # never reused), so PreFilter reads every node's count in one gather
+        # (``busy_per_node``), and how many there are in all; the slots of the last
+        # layout's node names.
         self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._busy_by_count: dict[int, dict[str, int]] = {}
-        # The same per count as an array over node slots (a slot per node name, never
-        # reused), so PreFilter reads every node's count in one gather (``busy_per_node``);
-        # with the slots of the last layout's node names.
         self._slot_of: dict[str, int] = {}
         self._busy_arr: dict[int, npt.NDArray[np.int64]] = {}
+        self._busy_total: dict[int, int] = {}
         self._layout_names: tuple[str, ...] | None = None
         self._layout_slots: npt.NDArray[np.intp] = np.zeros(0, np.intp)
         self._assumed: dict[str, _Assumed] = {}
@@ -462,20 +462,19 @@ class ClusterCache:
         """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
         PreBind, with (about) how many pods it would wait behind: pods reserved, claimed or
         allocating there with a container still to allocate that asks one of those counts
-        (a pod asking several of them counts once per count). Read from an index kept as
-        pods change: the cost follows the nodes with pods in flight, not the pods."""
+        (a pod asking several of them counts once per count). Read from the busy arrays
+        with a loop over every node seen: for tests and diagnostics (PreFilter reads
+        ``busy_per_node``)."""
         if not counts:
             return {}
         with self.lock:
-            parts = [self._busy_by_count.get(c) for c in (_ANY, *counts)]
-            present = [p for p in parts if p]
-            if not present:
+            wanted = [c for c in (_ANY, *counts) if self._busy_total.get(c)]
+            if not wanted:
                 return {}
-            busy = dict(present[0])  # a C-level copy: the common case is one count
-            for more in present[1:]:
-                for node, n in more.items():
-                    busy[node] = busy.get(node, 0) + n
-            return busy
+            total = self._busy_arr[wanted[0]].copy()
+            for c in wanted[1:]:
+                total += self._busy_arr[c]
+            return {node: n for node, slot in self._slot_of.items() if (n := int(total[slot]))}
 
     def busy_per_node(
         self, counts: frozenset[int], names: tuple[str, ...]
@@ -485,7 +484,7 @@ class ClusterCache:
         if not counts:
             return None
         with self.lock:
-            wanted = [c for c in (_ANY, *counts) if self._busy_by_count.get(c)]
+            wanted = [c for c in (_ANY, *counts) if self._busy_total.get(c)]
             if not wanted:
                 return None
             if names is not self._layout_names:
@@ -515,6 +514,7 @@ class ClusterCache:
         if arr is None:
             arr = self._busy_arr[c] = np.zeros(max(64, 2 * len(self._slot_of)), np.int64)
         arr[slot] += delta
+        self._busy_total[c] = self._busy_total.get(c, 0) + delta
 
     def _refresh_inflight(self, key: str) -> None:
         """Re-derive pod ``key``'s entry in the busy index from its overlays: its claim
@@ -539,19 +539,12 @@ class ClusterCache:
         if before is not None:
             node = before[0]
             for c in before[1]:
-                on = self._busy_by_count[c]
-                if on[node] > 1:
-                    on[node] -= 1
-                else:
-                    del on[node]
                 self._busy_add(c, node, -1)
             del self._inflight[key]
         if entry is not None:
             self._inflight[key] = entry
             node = entry[0]
             for c in entry[1]:
-                on = self._busy_by_count.setdefault(c, {})
-                on[node] = on.get(node, 0) + 1
                 self._busy_add(c, node, 1)
 
     def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
