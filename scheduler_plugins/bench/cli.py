@@ -101,7 +101,11 @@ def add_bench_command(
     )
     p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="(benchmarks/results)")
     p.add_argument("--name", default=DEFAULT_NAME, help="file name stem (cluster-bench)")
-    p.add_argument("--work-dir", type=Path, help="cluster state dirs (default CACHE/bench)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="cluster state dirs (default CACHE/bench); one bench at a time per dir",
+    )
     p.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
     p.add_argument(
         "--profile-python",

@@ -12,12 +12,13 @@ request counts come from ``sampling``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -359,11 +360,16 @@ def _load() -> list[float]:
 
 def run(opts: BenchOptions, *, on_phase: Callable[[Json], None] | None = None) -> Json:
     """Every node count × scheduler; ``on_phase`` gets the partial result after each phase
-    (to write it out as the run goes)."""
-    from scheduler_plugins.bench.workload import bench_profile
-
+    (to write it out as the run goes). One run at a time per work dir."""
     if not opts.nodes or any(n < 1 for n in opts.nodes):
         raise BenchError(f"node counts must be ≥ 1, got {list(opts.nodes)}")
+    with exclusive_work_dir(opts.work_dir):
+        return _run(opts, on_phase)
+
+
+def _run(opts: BenchOptions, on_phase: Callable[[Json], None] | None) -> Json:
+    from scheduler_plugins.bench.workload import bench_profile
+
     profile = opts.profile or bench_profile()
     result: Json = {
         "version": 1,
@@ -385,6 +391,37 @@ def run(opts: BenchOptions, *, on_phase: Callable[[Json], None] | None = None) -
     result["host"]["load_after"] = _load()
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return result
+
+
+LOCK_FILE: Final = "bench.lock"
+
+
+@contextlib.contextmanager
+def exclusive_work_dir(work_dir: Path) -> Iterator[None]:
+    """Hold ``work_dir`` for one run. Each phase purges the cluster a killed run left there
+    (its processes too): a second run at the same time would tear down the first's."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / LOCK_FILE
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise BenchError(
+                f"another tessera bench (pid {holder}) is running in {work_dir}: wait for it "
+                "to finish, or give this run its own --work-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ratios(phases: Mapping[str, Json]) -> Json | None:
