@@ -31,6 +31,10 @@ PODS_PATH: Final = f"/api/v1/namespaces/{NAMESPACE}/pods"
 BATCH_LABEL: Final = "tessera.dev/bench"
 CREATE_ATTEMPTS: Final = 5
 CDF_POINTS: Final = 101
+# How often ``wait_batch`` looks at most. Each look copies what the watch saw of every pod in
+# the batch: looking at every watch event (several per pod) made the bench's own CPU grow
+# with pods × events, taken from the cluster it measures on the same cores.
+LOOK_INTERVAL_S: Final = 0.1
 
 Obj = dict[str, Any]
 Json = dict[str, Any]
@@ -60,14 +64,20 @@ class Batch:
     allocated: dict[str, float] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
     done_at: float = 0.0
+    _names: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.pods]
 
+    def _name_set(self) -> frozenset[str]:
+        if self._names is None:
+            self._names = frozenset(p.name for p in self.pods)
+        return self._names
+
     def collect(self, watch: PodTimes) -> None:
         bound, allocated, nodes = watch.snapshot()
-        names = set(self.names)
+        names = self._name_set()
         self.bound = {n: t for n, t in bound.items() if n in names}
         self.allocated = {n: t for n, t in allocated.items() if n in names}
         self.nodes = {n: v for n, v in nodes.items() if n in names}
@@ -140,8 +150,11 @@ def wait_batch(
     start = clock()
     last_change = start
     seen = (-1, -1)
+    looked = start - LOOK_INTERVAL_S
     while True:
+        time.sleep(max(0.0, looked + LOOK_INTERVAL_S - clock()))
         feeding = feeder.is_alive()
+        looked = clock()
         batch.collect(watch)
         failed = watch.failed & gpu
         bound = len(batch.bound)
