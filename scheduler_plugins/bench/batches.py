@@ -232,18 +232,35 @@ def _cdf_ms(values: Sequence[float]) -> list[float]:
 
 
 def drain_json(
-    batch: Batch, resumed: float, *, cpu_s: Mapping[str, float], requests: list[Json]
+    batch: Batch,
+    resumed: float,
+    *,
+    cpu_s: Mapping[str, float],
+    requests: list[Json],
+    committed: Mapping[str, float] | None = None,
 ) -> Json:
-    """How fast a queue of pods was bound once the scheduler started (``resumed``)."""
-    times = sorted(batch.bound.values())
+    """How fast a queue of pods was bound once the scheduler started (``resumed``).
+
+    ``committed``: when the scheduler's Binding of each pod was committed (its log, on this
+    process's monotonic clock). When it names every pod the watch saw bound, the drain is
+    timed by it (the watch trails it by however far the cluster's event stream is behind),
+    and the watch's own figure is kept beside it; otherwise by the watch.
+    """
+    watched = sorted(batch.bound.values())
+    by_log = bool(committed) and batch.bound.keys() <= (committed or {}).keys()
+    times = sorted((committed or {})[n] for n in batch.bound) if by_log else watched
     series = stats.rate_series(times, start=resumed)
     span = times[-1] - times[0] if len(times) > 1 else 0.0
     bound = len(times)
+    watched_span = watched[-1] - watched[0] if len(watched) > 1 else 0.0
     return {
         "pods": len(batch.pods),
         "created": len(batch.sent),
         "bound": bound,
         "pending": len(batch.pods) - bound,
+        "bound_times": "scheduler log" if by_log else "watch",
+        "watched_pods_per_s": round((bound - 1) / watched_span, 2) if watched_span > 0 else None,
+        "watch_lag_last_s": round(watched[-1] - times[-1], 2) if by_log and times else None,
         "first_bound_s": round(times[0] - resumed, 2) if times else None,
         "drain_s": round(times[-1] - resumed, 2) if times else None,
         # From the first binding: the scheduler's start-up (informer sync) is not scheduling.

@@ -91,6 +91,10 @@ class Scheduler(Protocol):
 
     def pids(self, settings: ClusterSettings) -> dict[str, int]: ...
 
+    def log_path(self, settings: ClusterSettings) -> Path:
+        """The scheduler's log (kube-scheduler's ``-v 2``: it names each pod it bound)."""
+        ...
+
     def manifest(self, pod: BenchPod, *, namespace: str, labels: Mapping[str, str]) -> Obj: ...
 
     @property
@@ -139,6 +143,9 @@ class TesseraScheduler:
 
     def pids(self, settings: ClusterSettings) -> dict[str, int]:
         return _pids(settings, (*STACK, WEBHOOK))
+
+    def log_path(self, settings: ClusterSettings) -> Path:
+        return settings.log_file(SCHEDULER)
 
     def manifest(self, pod: BenchPod, *, namespace: str, labels: Mapping[str, str]) -> Obj:
         return tessera_manifest(
@@ -193,6 +200,9 @@ class StockScheduler:
 
     def pids(self, settings: ClusterSettings) -> dict[str, int]:
         return _pids(settings, (STOCK,))
+
+    def log_path(self, settings: ClusterSettings) -> Path:
+        return settings.log_file(STOCK)
 
     def manifest(self, pod: BenchPod, *, namespace: str, labels: Mapping[str, str]) -> Obj:
         return stock_manifest(pod, namespace=namespace, labels=labels)

@@ -277,6 +277,9 @@ def _drain_section(result: Json) -> list[str]:
                 d.get("drain_s"),
                 d.get("drain_pods_per_s"),
                 d.get("steady_pods_per_s"),
+                d.get("bound_times", "watch"),
+                d.get("watched_pods_per_s"),
+                d.get("watch_lag_last_s"),
                 ", ".join(f"{c} {v:.1f}" for c, v in top),
             ]
         )
@@ -287,6 +290,10 @@ def _drain_section(result: Json) -> list[str]:
         "",
         "Pods created while the scheduler was stopped, then the scheduler started: pods/s is",
         "bound pods ÷ (last − first binding), with no client creating pods at the same time.",
+        "A binding's time is when the scheduler logged it committed (*scheduler log*; both",
+        "schedulers are kube-scheduler's code at `-v 2`), else when the bench's watch showed",
+        "it. *watched pods/s*: the same from the watch, which trails the commits by as much",
+        "as the cluster's pod event stream is behind (*watch lag*: at the last binding).",
         "",
         *_table(
             [
@@ -298,6 +305,9 @@ def _drain_section(result: Json) -> list[str]:
                 "drained s",
                 "pods/s",
                 "steady pods/s",
+                "bound times",
+                "watched pods/s",
+                "watch lag s",
                 "CPU ms per pod (top processes)",
             ],
             rows,

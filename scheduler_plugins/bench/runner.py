@@ -35,6 +35,7 @@ from scheduler_plugins.bench.batches import (
     drain_json,
     wait_batch,
 )
+from scheduler_plugins.bench.bindlog import committed_in_log
 from scheduler_plugins.bench.cluster import (
     BenchCluster,
     Scheduler,
@@ -280,11 +281,14 @@ def _drain(
         progress=Progress(title, len(pods), enabled=opts.progress),
     )
     sampler.mark("drain-end")
+    now, mono = time.time(), time.monotonic()
+    committed = committed_in_log(scheduler.log_path(settings), NAMESPACE, b.bound.keys(), now=now)
     out = drain_json(
         b,
         resumed,
         cpu_s=sampler.cpu_between("drain-start", "drain-end"),
         requests=sampler.requests_json("drain-start", "drain-end", len(b.bound)),
+        committed={n: t - now + mono for n, t in committed.items()},
     )
     out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")
     return out

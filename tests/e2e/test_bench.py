@@ -70,6 +70,9 @@ def test_bench_runs_both_schedulers_and_reports(
         for scenario in (drain, main):
             assert scenario["bound"] >= scenario["pods"] * 0.9, (name, scenario)
         assert drain["drain_pods_per_s"] > 0 and drain["api_requests"], (name, drain)
+        # Both schedulers' logs named every pod they bound: the drain is timed by the commits.
+        assert drain["bound_times"] == "scheduler log", (name, drain)
+        assert drain["watch_lag_last_s"] is not None and drain["watched_pods_per_s"] > 0
         assert main["throughput_pods_per_s"] > 0 and main["latency_ms"]["p99_ms"] > 0
         assert {c for c in phase["components"]} >= {"kube-apiserver", "etcd", "bench-client"}
         assert [b["label"] for b in phase["node_concurrency"]] == [
