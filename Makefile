@@ -52,10 +52,11 @@ go-test:
 integration: setup tools
 	$(VENV)/bin/pytest tests/integration tests/e2e
 
-## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality)
+## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality; GC pause)
 bench: setup
 	$(PYTHON) -m benchmarks.placement_quality
 	$(PYTHON) -m benchmarks.decision_latency
+	$(PYTHON) -m benchmarks.gc_pause
 
 ## bench-cluster: Tessera vs the stock kube-scheduler on a kwok cluster (BENCH_NODES=1000 BENCH_PODS=10000)
 BENCH_NODES ?= 1000

@@ -46,12 +46,14 @@ def measure(
     seed: int,
     profile: NodeProfile | None = None,
     decisions: int = DECISIONS,
+    cache: ClusterCache | None = None,
 ) -> Json:
     """Build the cache in this process and measure it (``main`` runs it in a fresh process,
-    with malloc tuned as the plugin server tunes it)."""
+    with malloc tuned as the plugin server tunes it). ``cache``: build into this one (empty,
+    default device config) instead of a new one, to keep it."""
     config = DeviceConfig()
     start = procstat.sample(os.getpid())
-    cache = ClusterCache(config)
+    cache = cache if cache is not None else ClusterCache(config)
     now = time.time()
     for name, group in plan(profile or bench_profile(), nodes, 0):
         cache.apply_node(node_object(name, group, config, now=now))

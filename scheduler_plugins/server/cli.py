@@ -97,6 +97,7 @@ def _client(kubeconfig: str) -> KubeClient:
 
 
 def _cmd_plugin_server(args: argparse.Namespace) -> int:
+    from scheduler_plugins.gcpolicy import OldObjectsFrozen
     from scheduler_plugins.malloc import tune_allocator
     from scheduler_plugins.server.app import PluginServer
     from scheduler_plugins.server.tracing import Tracing
@@ -130,7 +131,9 @@ def _cmd_plugin_server(args: argparse.Namespace) -> int:
             metrics_address=args.metrics_address or None,
         ) as server,
     ):
+        # Full GC collections walk only what is new since the state was built (see gcpolicy).
+        frozen = OldObjectsFrozen(server.ready.is_set)
         while not done.wait(1.0):
-            pass
+            frozen.tick()
         log.info("stopping", address=server.address)
     return 0

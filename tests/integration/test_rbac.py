@@ -836,6 +836,12 @@ def test_scheduler_and_plugin_server_schedule_with_their_own_accounts(
         annotations = bound["metadata"]["annotations"]
         assert annotations[ann.VGPU_NODE] == bound["spec"]["nodeName"]
         assert annotations[ann.BIND_PHASE] == "allocating"
+        # Once its state was built the server froze it (full GCs walk only what is new).
+        wait(
+            lambda: "state built" in server_log.read_text(errors="replace"),
+            "the plugin server's gc.frozen line",
+            server_log,
+        )
         wait(
             lambda: _unschedulable_event(api, "gpu-too-big"),
             f"a {UNSCHEDULABLE_REASON} event for gpu-too-big",
