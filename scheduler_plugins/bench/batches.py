@@ -64,20 +64,14 @@ class Batch:
     allocated: dict[str, float] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
     done_at: float = 0.0
-    _names: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.pods]
 
-    def _name_set(self) -> frozenset[str]:
-        if self._names is None:
-            self._names = frozenset(p.name for p in self.pods)
-        return self._names
-
     def collect(self, watch: PodTimes) -> None:
         bound, allocated, nodes = watch.snapshot()
-        names = self._name_set()
+        names = set(self.names)
         self.bound = {n: t for n, t in bound.items() if n in names}
         self.allocated = {n: t for n, t in allocated.items() if n in names}
         self.nodes = {n: v for n, v in nodes.items() if n in names}
@@ -247,8 +241,9 @@ def drain_json(
     and the watch's own figure is kept beside it; otherwise by the watch.
     """
     watched = sorted(batch.bound.values())
-    by_log = bool(committed) and batch.bound.keys() <= (committed or {}).keys()
-    times = sorted((committed or {})[n] for n in batch.bound) if by_log else watched
+    committed = committed or {}
+    by_log = bool(committed) and batch.bound.keys() <= committed.keys()
+    times = sorted(committed[n] for n in batch.bound) if by_log else watched
     series = stats.rate_series(times, start=resumed)
     span = times[-1] - times[0] if len(times) > 1 else 0.0
     bound = len(times)
