@@ -37,7 +37,8 @@ test: lint typecheck unit go-test integration
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check scheduler_plugins node_agent tests benchmarks
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff format --check api scheduler_plugins node_agent tests benchmarks
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -24,7 +24,7 @@ The plugin server's allocator matters: freed numpy arrays of a few hundred KiB g
 kernel under glibc's defaults and are faulted in again by the next call. Decisions reuse work
 arrays kept with the layout's tables, so what is left is mostly the arrays a Decision keeps.
 ``--tune-malloc`` sets what a long-running server should (``tune_allocator`` in
-``scheduler_plugins.malloc``: ``mallopt`` M_TRIM_THRESHOLD/M_TOP_PAD/M_MMAP_THRESHOLD);
+``scheduler_plugins.server.malloc``: ``mallopt`` M_TRIM_THRESHOLD/M_TOP_PAD/M_MMAP_THRESHOLD);
 ``page_faults_per_call`` in the JSON shows the effect.
 
 Run: ``python -m benchmarks.decision_latency [--nodes 100,1000,5000] [--pods-existing 0,50000]
@@ -52,17 +52,17 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from node_agent.gpu_catalog import GpuModel, find_model
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.decide import Decision, PodPlan, decide
-from scheduler_plugins.explain import explain
-from scheduler_plugins.malloc import tune_allocator
-from scheduler_plugins.mig_policy import ChoiceTable, build_choice_table
-from scheduler_plugins.node_register import GpuDevice, MigProfile
-from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
-from scheduler_plugins.pods import PodAllocation, PodRequest, parse_request
-from scheduler_plugins.state import ClusterState, build_state
+from api.hami import keys as ann
+from api.hami.catalog import GpuModel, find_model
+from api.hami.config import DeviceConfig
+from api.hami.devices import DeviceAlloc, MigAllocation
+from api.hami.register import GpuDevice, MigProfile
+from scheduler_plugins.core.decide import Decision, PodPlan, decide
+from scheduler_plugins.core.explain import explain
+from scheduler_plugins.core.mig_policy import ChoiceTable, build_choice_table
+from scheduler_plugins.core.requests import PodAllocation, PodRequest, parse_request
+from scheduler_plugins.core.state import ClusterState, build_state
+from scheduler_plugins.server.malloc import tune_allocator
 
 DEFAULT_NODES = (100, 1000, 5000)
 DEFAULT_PODS = (0, 50_000)

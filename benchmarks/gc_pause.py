@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scheduler_plugins.bench import statemem
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.gcpolicy import OldObjectsFrozen
-from scheduler_plugins.server.cache import ClusterCache, Obj
+from api.hami.config import DeviceConfig
+from scheduler_plugins.core.cache import ClusterCache, Obj
+from scheduler_plugins.devtools.bench import statemem
+from scheduler_plugins.server.gcpolicy import OldObjectsFrozen
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "gc_pause.json"
 

@@ -44,10 +44,11 @@ import numpy as np
 import structlog
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from api.hami.config import DeviceConfig
+from api.hami.devices import RuntimeIdentity
 from benchmarks.decision_latency import GPUS_PER_NODE, make_nodes, make_pods
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.pod_annotations import RuntimeIdentity
-from scheduler_plugins.pods import PodAllocation
+from scheduler_plugins.core.requests import PodAllocation
+from scheduler_plugins.core.state import ClusterState, build_state
 from scheduler_plugins.server.metrics import (
     GPU_GAUGES,
     MIB,
@@ -56,7 +57,6 @@ from scheduler_plugins.server.metrics import (
     StateCollector,
     exposition,
 )
-from scheduler_plugins.state import ClusterState, build_state
 
 DEFAULT_NODES = (1000, 5000)
 DEFAULT_PODS_PER_GPU = 2

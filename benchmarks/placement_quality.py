@@ -42,9 +42,10 @@ from typing import TypedDict
 import numpy as np
 import numpy.typing as npt
 
-from node_agent.gpu_catalog import find_model
-from scheduler_plugins.mig_policy import ChoiceTable, PlacementStrategy, build_choice_table
-from scheduler_plugins.node_register import MigProfile
+from api.hami.catalog import find_model
+from api.hami.policy import PlacementStrategy
+from api.hami.register import MigProfile
+from scheduler_plugins.core.mig_policy import ChoiceTable, build_choice_table
 
 DEFAULT_STREAMS = 2000
 DEFAULT_SEED = 20240601

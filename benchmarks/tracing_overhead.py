@@ -35,12 +35,12 @@ from typing import Any
 import grpc
 import structlog
 
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.register import GpuDevice, encode
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.node_register import GpuDevice, encode
-from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.servicer import SchedulerServicer
 from scheduler_plugins.server.tracing import Tracing, record_response
 
@@ -88,7 +88,7 @@ def handler_call(tracing: Tracing, mode: str) -> Callable[[], object]:
 @contextmanager
 def _server(tracing: Tracing) -> Iterator[pb_grpc.SchedulerStub]:
     tmp = Path(tempfile.mkdtemp(prefix="tbench-", dir="/tmp"))
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     gpu = GpuDevice("GPU-1", 0, 10, 40960, 100, "NVIDIA A100-PCIE-40GB", 0, True, "hami-core")
     cache.apply_node(
         {

@@ -32,6 +32,9 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from api.errors import TemporaryError, TesseraError
+from api.hami.config import DeviceConfig
+from api.hami.keys import GpuMode
 from node_agent.allocator import Allocator
 from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePluginServer
@@ -39,9 +42,6 @@ from node_agent.mig_manager import MigManager
 from node_agent.mig_records import DesiredRead, desired_from_pods
 from node_agent.nvml.backend import NvmlBackend
 from node_agent.registration import Registrar
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import TemporaryError, TesseraError
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,7 @@ DEFAULT_SOCKET: Final = "tessera-gpu.sock"
 
 
 class AgentApi(Protocol):
-    """The Kubernetes calls the agent makes (``scheduler_plugins.kube.KubeClient``)."""
+    """The Kubernetes calls the agent makes (``api.kube.KubeClient``)."""
 
     def get(self, path: str) -> Any: ...
 

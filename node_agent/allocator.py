@@ -31,36 +31,29 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from node_agent.deviceplugin.ids import device_id, prefer_gpus, prefer_spread
-from node_agent.deviceplugin.types import ContainerAllocation, Mount
-from node_agent.mig_manager import MigManager
-from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
-from node_agent.nvml.backend import DeviceInfo, NvmlBackend
-from node_agent.pod_matching import (
-    annotations_of,
-    as_object,
-    match_pod,
-    next_container,
-    pod_key,
-    preferred_gpus,
-    requested_gpus,
-    to_allocate,
-)
-from scheduler_plugins.annotations import (
-    BIND_PHASE,
-    DEVICES_TO_ALLOCATE,
-    MIG_ALLOCATIONS,
-    GpuMode,
-)
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError, short_repr
-from scheduler_plugins.kube.errors import ConflictError, NotFoundError
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidInputError, TemporaryError, TesseraError, short_repr
+from api.hami.config import DeviceConfig
+from api.hami.devices import (
     ContainerDevices,
     MigAllocation,
     RuntimeIdentity,
     encode_devices,
 )
+from api.hami.keys import (
+    BIND_PHASE,
+    DEVICES_TO_ALLOCATE,
+    MIG_ALLOCATIONS,
+    GpuMode,
+)
+from api.hami.matching import next_container, to_allocate
+from api.kube.errors import ConflictError, NotFoundError
+from api.kube.objects import annotations_of, as_object, pod_key
+from node_agent.deviceplugin.ids import device_id, prefer_gpus, prefer_spread
+from node_agent.deviceplugin.types import ContainerAllocation, Mount
+from node_agent.mig_manager import MigManager
+from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
+from node_agent.nvml.backend import DeviceInfo, NvmlBackend
+from node_agent.pod_matching import match_pod, preferred_gpus, requested_gpus
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +66,7 @@ PATCH_ATTEMPTS: Final = 5
 
 
 class PodApi(Protocol):
-    """The Kubernetes calls the allocator makes (``scheduler_plugins.kube.KubeClient``)."""
+    """The Kubernetes calls the allocator makes (``api.kube.KubeClient``)."""
 
     def get(self, path: str) -> Any: ...
 

@@ -12,18 +12,22 @@ import argparse
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from scheduler_plugins.config import DeviceConfig, load_config_file
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.logs import add_logging_flags, configure_from_args
+from api.hami.config import DeviceConfig, load_config_file
+from api.kube.client import KubeClient
 
 
 def add_node_agent_commands(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    *,
+    logging_flags: Callable[[argparse.ArgumentParser], None],
 ) -> argparse.ArgumentParser:
-    """Register ``node-agent`` with its sub-commands on an ``add_subparsers()`` object."""
+    """Register ``node-agent`` with its sub-commands on an ``add_subparsers()`` object;
+    ``logging_flags`` adds the log flags to each long-running one (the ``tessera`` command
+    configures logging from them before any command runs)."""
     agent = subparsers.add_parser("node-agent", help="the node agent (kubelet device plugin)")
     sub = agent.add_subparsers(dest="node_agent_command", required=True)
     run = sub.add_parser(
@@ -41,14 +45,14 @@ def add_node_agent_commands(
     run.add_argument(
         "--plugin-dir", help="kubelet device plugin dir (default: /var/lib/kubelet/device-plugins)"
     )
-    add_logging_flags(run)
+    logging_flags(run)
     run.set_defaults(func=_cmd_run)
     kwok = sub.add_parser("kwok", help="simulated node agents for kwok fake nodes")
     kwok.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account)")
     kwok.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
     kwok.add_argument("--state-dir", help="keep each fake node's simulated NVML state here")
     kwok.add_argument("--watch-timeout", type=int, default=10, help="seconds per watch round")
-    add_logging_flags(kwok)
+    logging_flags(kwok)
     kwok.set_defaults(func=_cmd_kwok)
     return agent
 
@@ -75,7 +79,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
     from node_agent.nvml import backend_from_env
 
-    configure_from_args(args)
     config = load_config_file(args.config) if args.config else DeviceConfig()
     backend = backend_from_env(node_name=args.node_name)
     done = _stop_on_signals()
@@ -89,7 +92,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_kwok(args: argparse.Namespace) -> int:
     from node_agent.kwok_mode import KwokAgents
 
-    configure_from_args(args)
     config = load_config_file(args.config) if args.config else DeviceConfig()
     state = Path(args.state_dir) if args.state_dir else None
     if state is not None:

@@ -33,19 +33,19 @@ from typing import Any, Final
 
 import structlog
 
+from api.errors import TesseraError
+from api.hami.catalog import find_model
+from api.hami.config import DeviceConfig
+from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, NODE_REGISTER
+from api.hami.register import decode
+from api.kube.client import KubeClient
+from api.kube.errors import ApiError, ConflictError, NotFoundError
+from api.kube.objects import annotations_of, pod_key
+from api.kube.reflector import Reflector
 from node_agent.allocator import Allocator
-from node_agent.gpu_catalog import find_model
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import TERMINAL_PHASES, desired_from_pods
 from node_agent.nvml.simulated import CreationHold, SimulatedGpuSpec, SimulatedNvml
-from node_agent.pod_matching import annotations_of, pod_key
-from scheduler_plugins.annotations import BIND_PHASE, DEVICES_TO_ALLOCATE, NODE_REGISTER
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import TesseraError
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import ApiError, ConflictError, NotFoundError
-from scheduler_plugins.kube.reflector import Reflector
-from scheduler_plugins.node_register import decode
 
 log = structlog.get_logger(__name__)
 

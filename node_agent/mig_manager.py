@@ -52,6 +52,9 @@ from typing import Final
 
 import structlog
 
+from api.errors import TesseraError
+from api.hami.devices import MigAllocation, RuntimeIdentity
+from api.hami.register import Placement
 from node_agent.nvml.backend import (
     COMPUTE_INSTANCE_PROFILE_SLICES,
     GpuInstance,
@@ -62,9 +65,6 @@ from node_agent.nvml.backend import (
 )
 from node_agent.nvml.discovery import resolve_profiles
 from node_agent.nvml.errors import InUse, NotFound, NotSupported, NvmlError
-from scheduler_plugins.errors import TesseraError
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import MigAllocation, RuntimeIdentity
 
 log = structlog.get_logger(__name__)
 

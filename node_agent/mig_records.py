@@ -18,15 +18,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from node_agent.mig_manager import UNREADABLE, DesiredSet, Reservation
-from scheduler_plugins.annotations import MIG_ALLOCATIONS, VGPU_NODE
-from scheduler_plugins.errors import InvalidAnnotationError
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidAnnotationError
+from api.hami.devices import (
     MigAllocation,
     RuntimeIdentity,
     decode_mig_allocations,
     encode_mig_allocations,
 )
+from api.hami.keys import MIG_ALLOCATIONS, VGPU_NODE
+from node_agent.mig_manager import UNREADABLE, DesiredSet, Reservation
 
 TERMINAL_PHASES: Final = ("Succeeded", "Failed")
 

@@ -17,12 +17,12 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from api.errors import TesseraError
+from api.hami.config import DeviceConfig
+from api.hami.keys import NODE_REGISTER
+from api.hami.register import GpuDevice, encode
 from node_agent.nvml.backend import NvmlBackend
 from node_agent.nvml.discovery import discover
-from scheduler_plugins.annotations import NODE_REGISTER
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import TesseraError
-from scheduler_plugins.node_register import GpuDevice, encode
 
 log = structlog.get_logger(__name__)
 

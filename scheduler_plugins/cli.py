@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scheduler_plugins.config import DeviceConfig, convert_known_geometries, load_config_file
-from scheduler_plugins.errors import InvalidInputError, TesseraError
+from api.errors import InvalidInputError, TesseraError
+from api.hami.config import DeviceConfig, convert_known_geometries, load_config_file
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -71,16 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from node_agent.cli import add_node_agent_commands
-    from scheduler_plugins.bench.cli import add_bench_command
-    from scheduler_plugins.check import add_check_command
-    from scheduler_plugins.devcluster.cli import add_cluster_commands
-    from scheduler_plugins.devcluster.demo import add_demo_command
+    from scheduler_plugins.devtools.bench.cli import add_bench_command
+    from scheduler_plugins.devtools.check import add_check_command
+    from scheduler_plugins.devtools.cluster.cli import add_cluster_commands
+    from scheduler_plugins.devtools.cluster.demo import add_demo_command
+    from scheduler_plugins.logs import add_logging_flags
     from scheduler_plugins.server.cli import add_plugin_server_commands
     from scheduler_plugins.webhook.cli import add_webhook_commands
 
     add_cluster_commands(sub)
     add_demo_command(sub)
-    add_node_agent_commands(sub)
+    add_node_agent_commands(sub, logging_flags=add_logging_flags)
     add_plugin_server_commands(sub)
     add_check_command(sub)
     add_webhook_commands(sub)
@@ -90,6 +91,10 @@ def _add_optional_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "log_format", None) is not None:  # a long-running command
+            from scheduler_plugins.logs import configure_from_args
+
+            configure_from_args(args)
         return int(args.func(args))
     except InvalidInputError as e:
         print(f"tessera: {e}", file=sys.stderr)

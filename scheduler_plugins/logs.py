@@ -19,7 +19,7 @@ import structlog
 from opentelemetry import trace
 from structlog.typing import Processor
 
-from scheduler_plugins.errors import InvalidInputError
+from api.errors import InvalidInputError
 
 LogFormat = Literal["json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]

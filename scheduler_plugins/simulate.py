@@ -15,19 +15,15 @@ from typing import Any, Literal, cast
 
 import yaml
 
-from scheduler_plugins.binding import bind_annotations
-from scheduler_plugins.config import YAML_LOADER, DeviceConfig
-from scheduler_plugins.decide import decide
-from scheduler_plugins.errors import InvalidAnnotationError, InvalidInputError, InvalidRequestError
-from scheduler_plugins.explain import explain
-from scheduler_plugins.nodes import parse_node
-from scheduler_plugins.pods import (
-    counts_against_capacity,
-    parse_allocation,
-    parse_request,
-    pod_key,
-)
-from scheduler_plugins.state import ClusterState
+from api.errors import InvalidAnnotationError, InvalidInputError, InvalidRequestError
+from api.hami.config import YAML_LOADER, DeviceConfig
+from api.kube.objects import pod_key
+from scheduler_plugins.core.binding import bind_annotations
+from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.explain import explain
+from scheduler_plugins.core.nodes import parse_node
+from scheduler_plugins.core.requests import counts_against_capacity, parse_allocation, parse_request
+from scheduler_plugins.core.state import ClusterState
 
 
 class SimulationInputError(InvalidInputError):
@@ -205,8 +201,8 @@ def render_table(results: list[Result]) -> str:
 
 
 def _devices_summary(annotations: Mapping[str, str]) -> str:
-    from scheduler_plugins import annotations as ann
-    from scheduler_plugins.pod_annotations import decode_devices, decode_mig_allocations
+    from api.hami import keys as ann
+    from api.hami.devices import decode_devices, decode_mig_allocations
 
     if ann.MIG_ALLOCATIONS in annotations:
         return " ".join(

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from node_agent.gpu_catalog import find_model
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.node_register import GpuDevice
-from scheduler_plugins.state import ClusterState
+from api.hami.catalog import find_model
+from api.hami.config import DeviceConfig
+from api.hami.keys import GpuMode
+from api.hami.register import GpuDevice
+from scheduler_plugins.core.state import ClusterState
 
 
 def gpu(

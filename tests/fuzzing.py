@@ -28,14 +28,9 @@ from typing import Any, Literal
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from node_agent.allocator import Allocator
-from node_agent.mig_manager import MigManager
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.config import DeviceConfig, NodeConfig
-from scheduler_plugins.node_register import GpuDevice, Placement, encode
-from scheduler_plugins.pod_annotations import (
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.devices import (
     DeviceAlloc,
     MigAllocation,
     RuntimeIdentity,
@@ -43,7 +38,12 @@ from scheduler_plugins.pod_annotations import (
     encode_devices,
     encode_mig_allocations,
 )
-from scheduler_plugins.server.cache import ClusterCache
+from api.hami.keys import GpuMode
+from api.hami.register import GpuDevice, Placement, encode
+from node_agent.allocator import Allocator
+from node_agent.mig_manager import MigManager
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from scheduler_plugins.core.cache import ClusterCache
 from tests.builders import gpu, make_pod, mig_gpu
 from tests.node_agent_fakes import FakeKube
 from tests.node_agent_fakes import make_pod as agent_pod
@@ -350,7 +350,7 @@ VICTIM_KEYS = tuple(f"default/{n}" for n in VICTIMS)
 
 
 def cluster() -> ClusterCache:
-    cache = ClusterCache(CONFIG)
+    cache = ClusterCache(CONFIG, clock=time.monotonic)
     for name in NODES:
         cache.apply_node(node_obj(name))
     for pod in VICTIMS.values():

@@ -12,7 +12,13 @@ import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from scheduler_plugins.annotations import (
+from api.hami.devices import (
+    DeviceAlloc,
+    MigAllocation,
+    encode_devices,
+    encode_mig_allocations,
+)
+from api.hami.keys import (
     BIND_PHASE,
     BIND_TIME,
     DEVICES_ALLOCATED,
@@ -20,14 +26,8 @@ from scheduler_plugins.annotations import (
     MIG_ALLOCATIONS,
     VGPU_NODE,
 )
-from scheduler_plugins.kube.errors import ConflictError, NotFoundError
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import (
-    DeviceAlloc,
-    MigAllocation,
-    encode_devices,
-    encode_mig_allocations,
-)
+from api.hami.register import Placement
+from api.kube.errors import ConflictError, NotFoundError
 
 
 def _merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:

@@ -13,9 +13,9 @@ import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
+from api.errors import InvalidInputError, short_repr
+from api.hami.register import GpuDevice
 from node_agent.deviceplugin.types import PluginDevice
-from scheduler_plugins.errors import InvalidInputError, short_repr
-from scheduler_plugins.node_register import GpuDevice
 
 # Slot is canonical decimal (no sign, no leading zeros) so parse∘format is the identity, and
 # at most 9 digits (int() refuses more than 4300); the UUID part is greedy because GPU UUIDs

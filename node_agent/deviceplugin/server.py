@@ -24,6 +24,8 @@ import grpc
 import structlog
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from api.errors import InvalidInputError, TemporaryError, TesseraError
+from api.sockets import claim_socket_path, ensure_private_dir, restrict_socket
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, gpu_of, prefer_spread
 from node_agent.deviceplugin.types import (
     AllocateHandler,
@@ -31,8 +33,6 @@ from node_agent.deviceplugin.types import (
     DeviceInventory,
     PluginDevice,
 )
-from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
-from scheduler_plugins.unix_sockets import claim_socket_path, ensure_private_dir, restrict_socket
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from node_agent.gpu_catalog import UnknownModelError, find_model
+from api.errors import InvalidConfigError
+from api.hami.catalog import UnknownModelError, find_model
 from node_agent.nvml.backend import (
     ComputeInstance,
     DeviceInfo,
@@ -34,7 +35,6 @@ from node_agent.nvml.errors import (
 )
 from node_agent.nvml.real import PynvmlBackend
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins.errors import InvalidConfigError
 
 __all__ = [
     "BACKEND_KINDS",

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, NamedTuple, Protocol
 
+from api.hami.register import Placement
 from node_agent.nvml.errors import Uninitialized
-from scheduler_plugins.node_register import Placement
 
 # NVML_GPU_INSTANCE_PROFILE_* index constants the reference lists (1_SLICE=0 … 3_SLICE_GFX=17).
 GPU_INSTANCE_PROFILE_INDEXES: Final[tuple[int, ...]] = tuple(range(18))

@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from node_agent.gpu_catalog import UnknownModelError, find_model
+from api.hami.catalog import UnknownModelError, find_model
+from api.hami.keys import GpuMode
+from api.hami.register import GpuDevice, MigProfile
 from node_agent.nvml.backend import (
     GPU_INSTANCE_PROFILE_INDEXES,
     DeviceInfo,
@@ -26,8 +28,6 @@ from node_agent.nvml.backend import (
     NvmlBackend,
 )
 from node_agent.nvml.errors import InvalidArgument, NotFound, NotSupported
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.node_register import GpuDevice, MigProfile
 
 _ABSENT = (NotSupported, InvalidArgument, NotFound)
 

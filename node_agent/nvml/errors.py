@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
+from api.errors import InvalidInputError, TemporaryError, TesseraError
 
 
 class NvmlError(TesseraError):

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Final, TypeVar
 
-from node_agent.gpu_catalog import UnknownModelError, find_model
+from api.hami.catalog import UnknownModelError, find_model
+from api.hami.register import Placement
 from node_agent.nvml.backend import (
     COMPUTE_INSTANCE_PROFILE_SLICES,
     GPU_INSTANCE_PROFILE_INDEXES,
@@ -30,7 +31,6 @@ from node_agent.nvml.backend import (
     describe_placement,
 )
 from node_agent.nvml.errors import NotFound, NvmlError, NvmlUnavailable, code_name, error_for_code
-from scheduler_plugins.node_register import Placement
 
 _MIB: Final = 1024 * 1024
 # Room for every list NVML returns here (at most 12 memory slices, 8 compute slices).

@@ -1,6 +1,6 @@
 """Simulated NVML: the catalog's MIG geometry, as strict as the hardware.
 
-Serves ``node_agent.gpu_catalog`` facts through the ``NvmlBackend`` interface and refuses
+Serves ``api.hami.catalog`` facts through the ``NvmlBackend`` interface and refuses
 what a real GPU refuses: an illegal placement (InvalidArgument), an overlap or a full
 profile (InsufficientResources), MIG calls with MIG disabled (NotSupported; possible
 placements excepted, as on hardware), destroying an instance that still has compute
@@ -44,13 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from node_agent.gpu_catalog import (
+from api.hami.catalog import (
     GpuModel,
     ProfileFact,
     find_model,
     simulated_gpu_uuid,
     simulated_numa,
 )
+from api.hami.register import Placement
 from node_agent.nvml.backend import (
     COMPUTE_INSTANCE_PROFILE_SLICES,
     GPU_INSTANCE_PROFILE_INDEXES,
@@ -71,7 +72,6 @@ from node_agent.nvml.errors import (
     NotSupported,
     NvmlError,
 )
-from scheduler_plugins.node_register import Placement
 
 STATE_VERSION: Final = 1
 HOLD_ENV: Final = "TESSERA_SIMULATED_NVML_HOLD_DIR"

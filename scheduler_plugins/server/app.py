@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,24 +20,28 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
+from api.errors import InvalidInputError
+from api.hami.config import DeviceConfig
+from api.kube.client import Obj
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidInputError
-from scheduler_plugins.kube.client import Obj
-from scheduler_plugins.server.cache import ClusterCache
-from scheduler_plugins.server.cli import DEFAULT_RPC_WORKERS
-from scheduler_plugins.server.events import EventRecorder
-from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
-from scheduler_plugins.server.servicer import SchedulerServicer
-from scheduler_plugins.server.tracing import Tracing
-from scheduler_plugins.server.watch import DEFAULT_BACKOFF, Backoff, Watches, WatchStream
-from scheduler_plugins.unix_sockets import (
+from api.sockets import (
     UnsafeSocketPathError,
     claim_socket_path,
     ensure_private_dir,
     is_socket,
     restrict_socket,
 )
+from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.server.events import EventRecorder
+from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
+from scheduler_plugins.server.servicer import SchedulerServicer
+from scheduler_plugins.server.tracing import Tracing
+from scheduler_plugins.server.watch import DEFAULT_BACKOFF, Backoff, Watches, WatchStream
+
+# RPC worker threads: waiting PreBinds park on one each (~16 KiB resident); 16 stay for the
+# other calls. The pod's pids limit must allow this many threads.
+DEFAULT_RPC_WORKERS = 2048
+MIN_RPC_WORKERS = 32
 
 log = structlog.get_logger("tessera.plugin_server")
 
@@ -121,7 +126,7 @@ class PluginServer:
         self.socket_path = socket_path
         self.tcp_address = tcp_address
         self.address = ""  # what the shim dials, set by start()
-        self.cache = ClusterCache(config)
+        self.cache = ClusterCache(config, clock=time.monotonic)
         self.metrics_registry, metrics = server_metrics(self.cache.state, self.cache.lock)
         self._metrics_server = (
             MetricsServer(self.metrics_registry, *metrics_listen) if metrics_listen else None

@@ -10,18 +10,15 @@ from types import FrameType
 
 import structlog
 
-from scheduler_plugins.config import DeviceConfig, load_config_file
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.logs import add_logging_flags, configure_from_args
+from api.hami.config import DeviceConfig, load_config_file
+from api.kube.client import KubeClient
+from scheduler_plugins.logs import add_logging_flags
+from scheduler_plugins.server.app import DEFAULT_RPC_WORKERS, MIN_RPC_WORKERS
 
 log = structlog.get_logger("tessera.plugin_server")
 
 IN_CLUSTER = "in-cluster"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9395"  # HAMi's scheduler metrics port
-# RPC worker threads: waiting PreBinds park on one each (~16 KiB resident); 16 stay for the
-# other calls. The pod's pids limit must allow this many threads.
-DEFAULT_RPC_WORKERS = 2048
-MIN_RPC_WORKERS = 32
 
 
 def add_plugin_server_commands(
@@ -97,12 +94,11 @@ def _client(kubeconfig: str) -> KubeClient:
 
 
 def _cmd_plugin_server(args: argparse.Namespace) -> int:
-    from scheduler_plugins.gcpolicy import OldObjectsFrozen
-    from scheduler_plugins.malloc import tune_allocator
     from scheduler_plugins.server.app import PluginServer
+    from scheduler_plugins.server.gcpolicy import OldObjectsFrozen
+    from scheduler_plugins.server.malloc import tune_allocator
     from scheduler_plugins.server.tracing import Tracing
 
-    configure_from_args(args)
     # Decisions allocate large numpy temporaries; keep glibc from trimming and refaulting.
     log.info("malloc.tuned", result=tune_allocator())
     config = load_config_file(args.config) if args.config else DeviceConfig()

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from scheduler_plugins.kube.errors import KubeError
+from api.kube.errors import KubeError
 
 log = structlog.get_logger("tessera.plugin_server.events")
 

@@ -53,12 +53,13 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from api.errors import InvalidInputError
+from api.hami.register import GpuDevice
 from api.plugin.v1 import plugin_pb2 as pb
-from scheduler_plugins.decide import Decision, Reason
-from scheduler_plugins.errors import InvalidInputError
-from scheduler_plugins.node_register import GpuDevice
-from scheduler_plugins.pods import PodAllocation
-from scheduler_plugins.state import ClusterState
+from scheduler_plugins.core.decide import Decision
+from scheduler_plugins.core.requests import PodAllocation
+from scheduler_plugins.core.rules import Reason
+from scheduler_plugins.core.state import ClusterState
 
 log = structlog.get_logger("tessera.plugin_server.metrics")
 

@@ -30,17 +30,18 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from api.errors import InvalidInputError, short_repr
+from api.hami import keys as ann
+from api.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.binding import bind_annotations
-from scheduler_plugins.decide import Decision, PodPlan, reason_names
-from scheduler_plugins.decide import decide as core_decide
-from scheduler_plugins.errors import InvalidInputError, short_repr
-from scheduler_plugins.explain import explain, node_reasons
-from scheduler_plugins.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
-from scheduler_plugins.pods import PodRequest, parse_request
-from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.core.binding import bind_annotations
+from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.core.decide import Decision, PodPlan
+from scheduler_plugins.core.decide import decide as core_decide
+from scheduler_plugins.core.explain import explain, node_reasons
+from scheduler_plugins.core.requests import PodRequest, parse_request
+from scheduler_plugins.core.rules import reason_names
 from scheduler_plugins.server.events import EventRecorder, PodEventTarget
 from scheduler_plugins.server.metrics import SchedulingMetrics, rejection_reasons
 from scheduler_plugins.server.tracing import Tracing, record_abort, record_response

@@ -30,8 +30,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from api.errors import InvalidInputError
 from api.plugin.v1 import plugin_pb2 as pb
-from scheduler_plugins.errors import InvalidInputError
 
 SERVICE_NAME: Final = "tessera-plugin-server"
 TRACER_NAME: Final = "tessera.plugin_server"

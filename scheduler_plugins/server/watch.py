@@ -1,6 +1,6 @@
 """The list+watch loops that keep the ``ClusterCache`` current.
 
-One ``Reflector`` (``scheduler_plugins.kube.reflector``) per resource, nodes and pods.
+One ``Reflector`` (``api.kube.reflector``) per resource, nodes and pods.
 ``Watches.ready`` is set once both initial lists are in the cache: before that the server
 does not answer.
 """
@@ -12,15 +12,15 @@ from collections.abc import Callable
 
 import structlog
 
-from scheduler_plugins.kube.client import Obj
-from scheduler_plugins.kube.reflector import (
+from api.kube.client import Obj
+from api.kube.reflector import (
     DEFAULT_BACKOFF,
     Backoff,
     Kube,
     Reflector,
     WatchStream,
 )
-from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.core.cache import ClusterCache
 
 log = structlog.get_logger("tessera.plugin_server.watch")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from scheduler_plugins.kube.reflector import Kube, Reflector
+from api.kube.reflector import Kube, Reflector
 from scheduler_plugins.webhook.facts import NodeFactsStore
 from scheduler_plugins.webhook.review import Answer, answer
 from scheduler_plugins.webhook.rules import Settings

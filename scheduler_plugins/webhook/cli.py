@@ -13,8 +13,8 @@ from types import FrameType
 import structlog
 import yaml
 
-from scheduler_plugins.config import DeviceConfig, load_config_file
-from scheduler_plugins.kube.client import KubeClient
+from api.hami.config import DeviceConfig, load_config_file
+from api.kube.client import KubeClient
 from scheduler_plugins.webhook.certs import (
     DEFAULT_HOSTS,
     ServingPki,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_plugins.errors import InvalidInputError
+from api.errors import InvalidInputError
 
 
 class MalformedReviewError(InvalidInputError):

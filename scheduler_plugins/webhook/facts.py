@@ -16,9 +16,9 @@ from typing import Any
 
 import structlog
 
-from scheduler_plugins.annotations import NODE_REGISTER, GpuMode
-from scheduler_plugins.errors import InvalidAnnotationError
-from scheduler_plugins.node_register import GpuDevice, MigProfile, decode
+from api.errors import InvalidAnnotationError
+from api.hami.keys import NODE_REGISTER, GpuMode
+from api.hami.register import GpuDevice, MigProfile, decode
 
 log = structlog.get_logger("tessera.webhook.facts")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
-from scheduler_plugins.annotations import INTERNAL_PREFIXES
+from api.hami.keys import INTERNAL_PREFIXES
 from scheduler_plugins.webhook.errors import WebhookSetupError
 
 DEFAULT_NAME: Final = "tessera-webhook"

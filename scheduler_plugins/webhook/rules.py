@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidRequestError
-from scheduler_plugins.pods import PodRequest, parse_request
+from api.errors import InvalidRequestError
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from scheduler_plugins.core.requests import PodRequest, parse_request
 from scheduler_plugins.webhook.facts import ClusterFacts
 
 DEFAULT_SCHEDULER: Final = "default-scheduler"

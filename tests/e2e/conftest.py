@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.devcluster.errors import ClusterError
-from scheduler_plugins.devcluster.testing import build_tools
+from scheduler_plugins.devtools.cluster.errors import ClusterError
+from scheduler_plugins.devtools.cluster.testing import build_tools
 from tests.e2e.harness import HERE, E2ECluster, tessera_cluster
 
 SMALL_NODES = 5

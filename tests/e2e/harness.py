@@ -21,16 +21,16 @@ from typing import Any, Final
 
 import structlog
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.devcluster import processes
-from scheduler_plugins.devcluster.cluster import COMPONENTS, Cluster
-from scheduler_plugins.devcluster.kubeapi import KubeApi
-from scheduler_plugins.devcluster.layout import ClusterSettings
-from scheduler_plugins.devcluster.nodes import add_nodes, load_profile, wait_ready
-from scheduler_plugins.devcluster.stack import SCHEDULER_NAME, STACK, start_stack
-from scheduler_plugins.devcluster.testing import settings_in
-from scheduler_plugins.kube.errors import GoneError, KubeError
-from scheduler_plugins.node_register import GpuDevice, decode
+from api.hami import keys as ann
+from api.hami.register import GpuDevice, decode
+from api.kube.errors import GoneError, KubeError
+from scheduler_plugins.devtools.cluster import processes
+from scheduler_plugins.devtools.cluster.cluster import COMPONENTS, Cluster
+from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
+from scheduler_plugins.devtools.cluster.layout import ClusterSettings
+from scheduler_plugins.devtools.cluster.nodes import add_nodes, load_profile, wait_ready
+from scheduler_plugins.devtools.cluster.stack import SCHEDULER_NAME, STACK, start_stack
+from scheduler_plugins.devtools.cluster.testing import settings_in
 from scheduler_plugins.server.events import REASON as TESSERA_UNSCHEDULABLE
 
 log = structlog.get_logger(__name__)

@@ -1,4 +1,4 @@
-"""Cluster-wide allocation invariants for the end-to-end tests: ``scheduler_plugins.check``.
+"""Cluster-wide allocation invariants for the end-to-end tests (``tessera check``).
 
 The checks themselves live in the library (``tessera check``); this module keeps the
 string-returning helpers the burst tests use and adds ``cluster_report``, the whole check of a
@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scheduler_plugins import check
-from scheduler_plugins.check import CheckReport, check_cluster, rebuild_state
-from scheduler_plugins.devcluster.stack import StackPaths
-from scheduler_plugins.node_register import GpuDevice
-from scheduler_plugins.state import ClusterState
+from api.hami.register import GpuDevice
+from scheduler_plugins.core.state import ClusterState
+from scheduler_plugins.devtools import check
+from scheduler_plugins.devtools.check import CheckReport, check_cluster, rebuild_state
+from scheduler_plugins.devtools.cluster.stack import StackPaths
 from tests.e2e.harness import E2ECluster
 
 __all__ = ["annotation_violations", "capacity_violations", "cluster_report", "rebuild_state"]

@@ -11,7 +11,7 @@ from typing import Final
 
 import pytest
 
-from scheduler_plugins.devcluster import processes
+from scheduler_plugins.devtools.cluster import processes
 
 NODES: Final = 20
 PODS: Final = 80

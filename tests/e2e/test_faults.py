@@ -13,7 +13,7 @@ Scenarios (each a burst of fractional hami-core, whole-GPU and MIG pods):
   instance not yet: the simulated NVML's test-only ``CreationHold``), then restarted.
 
 After each, every pod must end bound with valid annotations or Pending with a PodScheduled
-explanation (none lost), and ``tessera check`` (``scheduler_plugins.check``, simulated GPUs
+explanation (none lost), and ``tessera check`` (``scheduler_plugins.devtools.check``, simulated GPUs
 included) must find nothing: no double allocation, no leaked or lost MIG instance. Then the
 pods are deleted and every MIG instance must be reclaimed. Figures per scenario are printed
 (run with ``-s``) and written to ``benchmarks/results/faults.json``.
@@ -40,13 +40,15 @@ from typing import Any, Final
 
 import pytest
 
+from api.errors import TemporaryError
+from api.hami import keys as ann
+from api.kube.errors import ConflictError
 from node_agent.nvml.simulated import HOLD_ENV
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.check import CheckReport
 from scheduler_plugins.cli import main as tessera_main
-from scheduler_plugins.devcluster import processes
-from scheduler_plugins.devcluster.cluster import APISERVER, Cluster
-from scheduler_plugins.devcluster.stack import (
+from scheduler_plugins.devtools.check import CheckReport
+from scheduler_plugins.devtools.cluster import processes
+from scheduler_plugins.devtools.cluster.cluster import APISERVER, Cluster
+from scheduler_plugins.devtools.cluster.stack import (
     NODE_AGENT,
     PLUGIN_SERVER,
     SCHEDULER,
@@ -54,8 +56,6 @@ from scheduler_plugins.devcluster.stack import (
     restart_component,
     stop_stack,
 )
-from scheduler_plugins.errors import TemporaryError
-from scheduler_plugins.kube.errors import ConflictError
 from tests.e2e.faultproxy import FaultProxy, proxied_kubeconfig
 from tests.e2e.harness import (
     GPU,

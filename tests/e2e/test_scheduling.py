@@ -15,11 +15,11 @@ import time
 from collections import Counter
 from typing import Any, Final
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.devcluster import processes
-from scheduler_plugins.devcluster.demo import fragmenting_pod
-from scheduler_plugins.devcluster.stack import PLUGIN_SERVER, restart_component
-from scheduler_plugins.pod_annotations import decode_devices, decode_mig_allocations
+from api.hami import keys as ann
+from api.hami.devices import decode_devices, decode_mig_allocations
+from scheduler_plugins.devtools.cluster import processes
+from scheduler_plugins.devtools.cluster.demo import fragmenting_pod
+from scheduler_plugins.devtools.cluster.stack import PLUGIN_SERVER, restart_component
 from tests.e2e.harness import (
     EVENTS_PATH,
     GPU,

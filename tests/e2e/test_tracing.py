@@ -27,12 +27,12 @@ from typing import Any, Final
 
 import pytest
 
-from scheduler_plugins.devcluster import processes
-from scheduler_plugins.devcluster.cluster import Cluster
-from scheduler_plugins.devcluster.layout import LOOPBACK, repo_root
-from scheduler_plugins.devcluster.nodes import add_nodes, load_profile, wait_ready
-from scheduler_plugins.devcluster.stack import PLUGIN_SERVER, STACK, start_stack
-from scheduler_plugins.devcluster.testing import free_ports, settings_in
+from scheduler_plugins.devtools.cluster import processes
+from scheduler_plugins.devtools.cluster.cluster import Cluster
+from scheduler_plugins.devtools.cluster.layout import LOOPBACK, repo_root
+from scheduler_plugins.devtools.cluster.nodes import add_nodes, load_profile, wait_ready
+from scheduler_plugins.devtools.cluster.stack import PLUGIN_SERVER, STACK, start_stack
+from scheduler_plugins.devtools.cluster.testing import free_ports, settings_in
 from tests.e2e.harness import GPU, GPUMEM, HERE, E2ECluster, pod_manifest
 from tests.waiting import eventually
 

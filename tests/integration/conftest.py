@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.devcluster.cluster import Cluster, ClusterInfo
-from scheduler_plugins.devcluster.errors import ClusterError
-from scheduler_plugins.devcluster.layout import ClusterSettings
-from scheduler_plugins.devcluster.nodes import NodeGroup, NodeProfile, add_nodes, wait_ready
-from scheduler_plugins.devcluster.stack import SCHEDULER_NAME
-from scheduler_plugins.devcluster.testing import ClusterClient, build_tools, settings_in
-from scheduler_plugins.devcluster.webhook import start_webhook, stop_webhook
-from scheduler_plugins.kube.errors import NotFoundError
+from api.kube.errors import NotFoundError
+from scheduler_plugins.devtools.cluster.cluster import Cluster, ClusterInfo
+from scheduler_plugins.devtools.cluster.errors import ClusterError
+from scheduler_plugins.devtools.cluster.layout import ClusterSettings
+from scheduler_plugins.devtools.cluster.nodes import NodeGroup, NodeProfile, add_nodes, wait_ready
+from scheduler_plugins.devtools.cluster.stack import SCHEDULER_NAME
+from scheduler_plugins.devtools.cluster.testing import ClusterClient, build_tools, settings_in
+from scheduler_plugins.devtools.cluster.webhook import start_webhook, stop_webhook
 from scheduler_plugins.webhook.manifest import API_PATH, DEFAULT_NAME
 
 BUILD_TIMEOUT_S = 3600  # a cold build of kube-apiserver on 2 cores takes many minutes

@@ -33,15 +33,15 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.serialization import Encoding, load_pem_private_key
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from scheduler_plugins.cli import build_parser
-from scheduler_plugins.config import (
+from api.hami.config import (
     DEFAULT_ALLOWLIST,
     DeviceConfig,
     convert_known_geometries,
     load_config,
 )
-from scheduler_plugins.devcluster.layout import repo_root
-from scheduler_plugins.devcluster.testing import ClusterClient
+from scheduler_plugins.cli import build_parser
+from scheduler_plugins.devtools.cluster.layout import repo_root
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from scheduler_plugins.webhook.manifest import match_condition
 
 pytestmark = pytest.mark.integration

@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from node_agent.gpu_catalog import find_model
-from scheduler_plugins.annotations import NODE_REGISTER
-from scheduler_plugins.devcluster import processes
-from scheduler_plugins.devcluster.certs import ensure_tokens
-from scheduler_plugins.devcluster.cluster import APISERVER, ETCD, KWOK, Cluster
-from scheduler_plugins.devcluster.errors import ApiError, NotFoundError
-from scheduler_plugins.devcluster.kubeapi import KubeApi
-from scheduler_plugins.devcluster.layout import ClusterSettings
-from scheduler_plugins.devcluster.nodes import add_nodes, node_ready, wait_ready
-from scheduler_plugins.devcluster.testing import ClusterClient
-from scheduler_plugins.node_register import decode
+from api.hami.catalog import find_model
+from api.hami.keys import NODE_REGISTER
+from api.hami.register import decode
+from scheduler_plugins.devtools.cluster import processes
+from scheduler_plugins.devtools.cluster.certs import ensure_tokens
+from scheduler_plugins.devtools.cluster.cluster import APISERVER, ETCD, KWOK, Cluster
+from scheduler_plugins.devtools.cluster.errors import ApiError, NotFoundError
+from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
+from scheduler_plugins.devtools.cluster.layout import ClusterSettings
+from scheduler_plugins.devtools.cluster.nodes import add_nodes, node_ready, wait_ready
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from api.kube.client import KubeClient
+from api.kube.errors import ConflictError, NotFoundError
 from node_agent.kwok_mode import IndexedPodApi, PodIndex
-from scheduler_plugins.devcluster.testing import ClusterClient
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import ConflictError, NotFoundError
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 
 PODS = "/api/v1/namespaces/default/pods"
 PHASE = "hami.io/bind-phase"

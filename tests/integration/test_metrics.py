@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.devcluster.stack import metrics_address
-from scheduler_plugins.node_register import GpuDevice
-from scheduler_plugins.pod_annotations import decode_devices, decode_mig_allocations
+from api.hami import keys as ann
+from api.hami.devices import decode_devices, decode_mig_allocations
+from api.hami.register import GpuDevice
+from scheduler_plugins.devtools.cluster.stack import metrics_address
 from tests.e2e.harness import (
     GPU,
     GPUCORES,

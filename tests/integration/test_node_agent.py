@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from node_agent.kwok_mode import KwokAgents
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from node_agent.registration import HANDSHAKE, Registrar
-from scheduler_plugins.annotations import (
+from api.hami.config import DeviceConfig
+from api.hami.devices import decode_mig_allocations
+from api.hami.keys import (
     BIND_PHASE,
     BIND_TIME,
     DEVICES_ALLOCATED,
@@ -21,12 +20,13 @@ from scheduler_plugins.annotations import (
     NODE_REGISTER,
     VGPU_NODE,
 )
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.devcluster.testing import ClusterClient
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import ConflictError, NotFoundError
-from scheduler_plugins.node_register import Placement, decode
-from scheduler_plugins.pod_annotations import decode_mig_allocations
+from api.hami.register import Placement, decode
+from api.kube.client import KubeClient
+from api.kube.errors import ConflictError, NotFoundError
+from node_agent.kwok_mode import KwokAgents
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from node_agent.registration import HANDSHAKE, Registrar
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration

@@ -24,12 +24,15 @@ from typing import Any
 import grpc
 import pytest
 
-from node_agent.agent import NodeAgent
-from node_agent.mig_manager import InstanceKey
-from node_agent.nvml.errors import Uninitialized
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from node_agent.registration import HANDSHAKE
-from scheduler_plugins.annotations import (
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.devices import (
+    DeviceAlloc,
+    MigAllocation,
+    decode_mig_allocations,
+    encode_devices,
+    encode_mig_allocations,
+)
+from api.hami.keys import (
     BIND_PHASE,
     BIND_TIME,
     DEVICES_ALLOCATED,
@@ -38,18 +41,15 @@ from scheduler_plugins.annotations import (
     NODE_REGISTER,
     VGPU_NODE,
 )
-from scheduler_plugins.config import DeviceConfig, NodeConfig
-from scheduler_plugins.devcluster.testing import ClusterClient
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import NotFoundError
-from scheduler_plugins.node_register import GpuDevice, Placement, decode
-from scheduler_plugins.pod_annotations import (
-    DeviceAlloc,
-    MigAllocation,
-    decode_mig_allocations,
-    encode_devices,
-    encode_mig_allocations,
-)
+from api.hami.register import GpuDevice, Placement, decode
+from api.kube.client import KubeClient
+from api.kube.errors import NotFoundError
+from node_agent.agent import NodeAgent
+from node_agent.mig_manager import InstanceKey
+from node_agent.nvml.errors import Uninitialized
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from node_agent.registration import HANDSHAKE
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from tests.fake_kubelet import FakeKubelet, PluginConnection
 from tests.waiting import eventually as _eventually
 

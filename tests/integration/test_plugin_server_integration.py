@@ -14,18 +14,19 @@ from typing import Any
 import grpc
 import pytest
 
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.register import encode
+from api.kube.client import KubeClient, Obj, Watch
+from api.kube.errors import GoneError, NotFoundError, UnreachableError
+from api.kube.objects import pod_key
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.devcluster.testing import ClusterClient
-from scheduler_plugins.kube.client import KubeClient, Obj, Watch
-from scheduler_plugins.kube.errors import GoneError, NotFoundError, UnreachableError
-from scheduler_plugins.node_register import encode
-from scheduler_plugins.nodes import parse_node
-from scheduler_plugins.pods import counts_against_capacity, parse_allocation, pod_key
+from scheduler_plugins.core.nodes import parse_node
+from scheduler_plugins.core.requests import counts_against_capacity, parse_allocation
+from scheduler_plugins.core.state import build_state
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from scheduler_plugins.server.app import PluginServer
-from scheduler_plugins.state import build_state
 from tests.builders import gpu, mig_gpu
 from tests.waiting import eventually
 

@@ -36,10 +36,10 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.devcluster.testing import ClusterClient, free_ports
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import ApiError, NotFoundError
+from api.hami import keys as ann
+from api.kube.client import KubeClient
+from api.kube.errors import ApiError, NotFoundError
+from scheduler_plugins.devtools.cluster.testing import ClusterClient, free_ports
 from scheduler_plugins.server.events import REASON as UNSCHEDULABLE_REASON
 from tests.integration.test_chart import (
     Rendered,

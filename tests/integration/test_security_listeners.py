@@ -3,8 +3,8 @@ developer's cluster, with its admin token on disk, is never reachable from the n
 
 from __future__ import annotations
 
-from scheduler_plugins.devcluster.cluster import Cluster
-from scheduler_plugins.devcluster.testing import ClusterClient
+from scheduler_plugins.devtools.cluster.cluster import Cluster
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from tests.security_helpers import is_loopback, tcp_listeners
 
 

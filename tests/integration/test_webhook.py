@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.devcluster.certs import ADMIN_USER
-from scheduler_plugins.devcluster.testing import ClusterClient
-from scheduler_plugins.devcluster.webhook import WEBHOOK
-from scheduler_plugins.kube.errors import ApiError, NotFoundError
+from api.hami import keys as ann
+from api.kube.errors import ApiError, NotFoundError
+from scheduler_plugins.devtools.cluster.certs import ADMIN_USER
+from scheduler_plugins.devtools.cluster.testing import ClusterClient
+from scheduler_plugins.devtools.cluster.webhook import WEBHOOK
 from scheduler_plugins.webhook.manifest import WEBHOOK_NAME
 
 pytestmark = pytest.mark.integration

@@ -3,18 +3,19 @@ watched pods change) always says what a full recount of the in-flight pods says.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.pod_matching import to_allocate
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidInputError
-from scheduler_plugins.pods import PodAllocation
-from scheduler_plugins.server.cache import ClusterCache
+from api.errors import InvalidInputError
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.matching import to_allocate
+from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.core.requests import PodAllocation
 from tests.builders import make_pod
 
 NODES = ("n1", "n2", "n3")
@@ -95,7 +96,7 @@ def _pod(name: str, node: str, phase: str, raw: str, bound: bool) -> dict[str, A
 @settings(max_examples=300, deadline=None)
 @given(st.lists(ops, max_size=30))
 def test_index_equals_a_recount_after_every_change(sequence: list[tuple[Any, ...]]) -> None:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     for op in sequence:
         kind, key = op[0], f"default/{op[1]}"
         if kind == "assume":
@@ -125,7 +126,7 @@ def test_index_equals_a_recount_after_every_change(sequence: list[tuple[Any, ...
 
 
 def test_busy_arrays_grow_past_their_first_size_and_follow_new_layouts() -> None:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     nodes = tuple(f"n{i:03d}" for i in range(300))
     for i, node in enumerate(nodes):
         cache.assume(PodAllocation(f"default/p{i}", node, (), ()), frozenset({1 + i % 2}))

@@ -11,13 +11,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.gpu_catalog import MODELS
-from scheduler_plugins.annotations import GPU_MODES
-from scheduler_plugins.errors import InvalidAnnotationError
-from scheduler_plugins.node_register import GpuDevice, MigProfile, Placement
-from scheduler_plugins.node_register import decode as decode_register
-from scheduler_plugins.node_register import encode as encode_register
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidAnnotationError
+from api.hami.catalog import MODELS
+from api.hami.devices import (
     DeviceAlloc,
     MigAllocation,
     RuntimeIdentity,
@@ -28,6 +24,10 @@ from scheduler_plugins.pod_annotations import (
     encode_devices,
     encode_mig_allocations,
 )
+from api.hami.keys import GPU_MODES
+from api.hami.register import GpuDevice, MigProfile, Placement
+from api.hami.register import decode as decode_register
+from api.hami.register import encode as encode_register
 
 relaxed = settings(deadline=None, max_examples=200)
 

@@ -23,24 +23,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.decide import decide
-from scheduler_plugins.errors import InvalidInputError
-from scheduler_plugins.explain import explain
-from scheduler_plugins.node_register import decode, encode
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidInputError
+from api.hami import keys as ann
+from api.hami.devices import (
     DeviceAlloc,
     encode_devices,
     encode_mig_allocations,
 )
-from scheduler_plugins.pods import (
-    counts_against_capacity,
-    parse_allocation,
-    parse_request,
-    pod_key,
-)
-from scheduler_plugins.server.cache import ClusterCache
-from scheduler_plugins.state import ClusterState
+from api.hami.register import decode, encode
+from api.kube.objects import pod_key
+from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.explain import explain
+from scheduler_plugins.core.requests import counts_against_capacity, parse_allocation, parse_request
+from scheduler_plugins.core.state import ClusterState
 from tests.builders import make_pod
 from tests.fuzzing import (
     CONFIG,

@@ -13,14 +13,13 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_plugins.config import (
+from api.hami.config import (
     DeviceConfig,
     InvalidConfigError,
     convert_known_geometries,
     load_config,
 )
-from scheduler_plugins.mig_policy import PlacementStrategy
-from scheduler_plugins.policy import Policy
+from api.hami.policy import PlacementStrategy, Policy
 from tests.fuzzing import (
     MAX_MESSAGE,
     FuzzLedger,

@@ -24,11 +24,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from api.deviceplugin.v1beta1 import api_pb2
+from api.hami.devices import MigAllocation
+from api.hami.keys import GpuMode
+from api.hami.register import Placement
 from node_agent.deviceplugin.ids import SlotInventory, device_id
 from node_agent.deviceplugin.server import DevicePluginServer, _Servicer
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import MigAllocation
 from tests.builders import gpu
 from tests.fake_kubelet import FakeKubelet, PluginConnection
 from tests.fuzzing import AgentNode, FuzzLedger, agent_node, fuzz_settings

@@ -24,25 +24,21 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from node_agent.allocator import HOST_HOOK_DIR, Allocator
-from node_agent.deviceplugin.ids import InvalidDeviceIdError, device_id
-from node_agent.mig_records import desired_from_pods
-from node_agent.pod_matching import (
-    PodMatchError,
-    ambiguous,
-    annotations_of,
-    match_pod,
-    preferred_gpus,
-)
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.errors import InvalidAnnotationError, TesseraError
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidAnnotationError, TesseraError
+from api.hami import keys as ann
+from api.hami.devices import (
     MigAllocation,
     RuntimeIdentity,
     decode_devices,
 )
+from api.hami.keys import GpuMode
+from api.hami.matching import ambiguous
+from api.hami.register import Placement
+from api.kube.objects import annotations_of
+from node_agent.allocator import HOST_HOOK_DIR, Allocator
+from node_agent.deviceplugin.ids import InvalidDeviceIdError, device_id
+from node_agent.mig_records import desired_from_pods
+from node_agent.pod_matching import PodMatchError, match_pod, preferred_gpus
 from tests.fuzzing import (
     AGENT_NODE,
     AgentNode,

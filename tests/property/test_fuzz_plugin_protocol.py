@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.servicer import SchedulerServicer
 from tests.builders import make_pod
 from tests.fuzzing import (

@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
+from api.errors import InvalidRequestError
+from api.hami.config import InvalidConfigError, load_config, load_config_file
+from api.hami.matching import is_candidate
+from api.kube.objects import parse_quantity
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, gpu_of, prefer_spread
-from node_agent.pod_matching import NoMatchingPodError, is_candidate, match_pod
-from scheduler_plugins.config import InvalidConfigError, load_config, load_config_file
-from scheduler_plugins.errors import InvalidRequestError
-from scheduler_plugins.nodes import parse_node
-from scheduler_plugins.pods import parse_quantity, parse_request
+from node_agent.pod_matching import NoMatchingPodError, match_pod
+from scheduler_plugins.core.nodes import parse_node
+from scheduler_plugins.core.requests import parse_request
 from scheduler_plugins.simulate import SimulationInputError, load_objects
 from tests.builders import make_pod
 from tests.fuzzing import CONFIG

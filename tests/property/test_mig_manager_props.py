@@ -16,11 +16,11 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.gpu_catalog import find_model
+from api.hami.catalog import find_model
+from api.hami.devices import MigAllocation
+from api.hami.register import Placement
 from node_agent.mig_manager import DesiredSet, MigAllocationError, MigManager, Reservation
 from node_agent.nvml import SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import MigAllocation
 
 MODELS = ("NVIDIA A100-PCIE-40GB", "NVIDIA RTX PRO 6000 Blackwell Server Edition")
 KINDS = (

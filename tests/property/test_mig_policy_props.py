@@ -8,9 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.gpu_catalog import MODELS
-from scheduler_plugins.mig_policy import ChoiceTable, PlacementStrategy, build_choice_table
-from scheduler_plugins.node_register import MigProfile, Placement
+from api.hami.catalog import MODELS
+from api.hami.policy import PlacementStrategy
+from api.hami.register import MigProfile, Placement
+from scheduler_plugins.core.mig_policy import ChoiceTable, build_choice_table
 
 # Table builds take milliseconds, but the first of a geometry can exceed the default deadline.
 relaxed = settings(deadline=None, max_examples=150)

@@ -9,9 +9,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.gpu_catalog import MODELS, GpuModel
+from api.hami.catalog import MODELS, GpuModel
+from api.hami.register import Placement
 from node_agent.nvml import NvmlError, SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins.node_register import Placement
 
 _MIG_MODELS = [m for m in MODELS if m.mig_capable]
 

@@ -16,14 +16,14 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.gpu_catalog import MODELS, GpuModel
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.decide import Decision, PodPlan, decide
-from scheduler_plugins.node_register import GpuDevice, MigProfile, Placement
-from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
-from scheduler_plugins.pods import PodAllocation, PodRequest, parse_request
-from scheduler_plugins.state import ClusterState, build_state
+from api.hami import keys as ann
+from api.hami.catalog import MODELS, GpuModel
+from api.hami.config import DeviceConfig
+from api.hami.devices import DeviceAlloc, MigAllocation
+from api.hami.register import GpuDevice, MigProfile, Placement
+from scheduler_plugins.core.decide import Decision, PodPlan, decide
+from scheduler_plugins.core.requests import PodAllocation, PodRequest, parse_request
+from scheduler_plugins.core.state import ClusterState, build_state
 
 CONFIG = DeviceConfig()
 NODE_NAMES = ("n0", "n1", "n2", "n3")

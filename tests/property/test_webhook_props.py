@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.node_register import MigProfile, Placement
+from api.hami import keys as ann
+from api.hami.register import MigProfile, Placement
 from scheduler_plugins.webhook.app import WebhookApp
 from scheduler_plugins.webhook.certs import ensure_serving_pki
 from scheduler_plugins.webhook.facts import (

@@ -7,19 +7,19 @@ from typing import Any
 
 import pytest
 
+from api.errors import InvalidAnnotationError, TemporaryError
+from api.hami.catalog import find_model
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.devices import decode_mig_allocations
+from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS
+from api.hami.register import Placement
+from api.kube.errors import ServerError
 from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, prefer_spread
 from node_agent.deviceplugin.types import Mount
-from node_agent.gpu_catalog import find_model
 from node_agent.mig_manager import MigAllocationError, MigManager
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from node_agent.pod_matching import AmbiguousPodError, NoMatchingPodError
-from scheduler_plugins.annotations import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS
-from scheduler_plugins.config import DeviceConfig, NodeConfig
-from scheduler_plugins.errors import InvalidAnnotationError, TemporaryError
-from scheduler_plugins.kube.errors import ServerError
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import decode_mig_allocations
 from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc
 
 NODE = "node-a"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from scheduler_plugins.bench.batches import LOOK_INTERVAL_S, Batch, wait_batch
-from scheduler_plugins.bench.progress import Progress
-from scheduler_plugins.bench.workload import BenchPod, PodKind
+from scheduler_plugins.devtools.bench.batches import LOOK_INTERVAL_S, Batch, wait_batch
+from scheduler_plugins.devtools.bench.progress import Progress
+from scheduler_plugins.devtools.bench.workload import BenchPod, PodKind
 
 BIND_EVERY_S = LOOK_INTERVAL_S / 2
 

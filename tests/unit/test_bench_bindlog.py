@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.bench.batches import Batch, drain_json
-from scheduler_plugins.bench.bindlog import committed_at, committed_in_log
-from scheduler_plugins.bench.workload import BenchPod, PodKind
+from scheduler_plugins.devtools.bench.batches import Batch, drain_json
+from scheduler_plugins.devtools.bench.bindlog import committed_at, committed_in_log
+from scheduler_plugins.devtools.bench.workload import BenchPod, PodKind
 
 NS = "tessera-bench"
 

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.bench.procstat import ProcFormatError, parse_stat, parse_status, sample
+from scheduler_plugins.devtools.bench.procstat import (
+    ProcFormatError,
+    parse_stat,
+    parse_status,
+    sample,
+)
 
 # comm with spaces and parentheses; utime=250, stime=150 ticks (fields 14, 15)
 STAT = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 150 0 0 20 0 9 0 1234 0 0"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugins.bench.promtext import (
+from scheduler_plugins.devtools.bench.promtext import (
     Histogram,
     MetricsFormatError,
     counter_totals,

@@ -8,21 +8,21 @@ from typing import Any, cast
 
 import pytest
 
-from scheduler_plugins.bench import scenarios
-from scheduler_plugins.bench.batches import Batch, batch_json, burst_json, drain_json
-from scheduler_plugins.bench.errors import BenchError
-from scheduler_plugins.bench.report import decision_series, markdown, targets, write_report
-from scheduler_plugins.bench.runner import ratios
-from scheduler_plugins.bench.scenarios import (
+from api.hami.register import GpuDevice
+from api.kube.client import KubeClient
+from scheduler_plugins.devtools.bench import scenarios
+from scheduler_plugins.devtools.bench.batches import Batch, batch_json, burst_json, drain_json
+from scheduler_plugins.devtools.bench.errors import BenchError
+from scheduler_plugins.devtools.bench.report import decision_series, markdown, targets, write_report
+from scheduler_plugins.devtools.bench.runner import ratios
+from scheduler_plugins.devtools.bench.scenarios import (
     churn_pods,
     concurrency_bursts,
     delete_resurrected,
     run_check,
 )
-from scheduler_plugins.bench.workload import generate, mig_burst
-from scheduler_plugins.check import CheckReport, Violation, ViolationKind
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.node_register import GpuDevice
+from scheduler_plugins.devtools.bench.workload import generate, mig_burst
+from scheduler_plugins.devtools.check import CheckReport, Violation, ViolationKind
 
 
 def _batch(n: int, *, rate: float, latency: float, label: str = "main") -> Batch:

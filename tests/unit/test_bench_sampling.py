@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, cast
 
-from scheduler_plugins.bench.sampling import Sampler
-from scheduler_plugins.kube.client import KubeClient
+from api.kube.client import KubeClient
+from scheduler_plugins.devtools.bench.sampling import Sampler
 
 
 class Api:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_plugins.bench.statemem import measure
+from scheduler_plugins.devtools.bench.statemem import measure
 
 
 def test_measure_places_the_workload_and_reports_memory_and_decisions() -> None:

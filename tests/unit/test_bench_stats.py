@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_plugins.bench.stats import (
+from scheduler_plugins.devtools.bench.stats import (
     StatsError,
     latencies,
     percentile,

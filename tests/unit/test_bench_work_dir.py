@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.bench.errors import BenchError
-from scheduler_plugins.bench.runner import LOCK_FILE, BenchOptions, exclusive_work_dir, run
+from scheduler_plugins.devtools.bench.errors import BenchError
+from scheduler_plugins.devtools.bench.runner import LOCK_FILE, BenchOptions, exclusive_work_dir, run
 
 
 def test_a_second_run_in_the_same_work_dir_is_refused_naming_the_first(tmp_path: Path) -> None:

@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.bench.workload import (
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.policy import Policy
+from scheduler_plugins.core.requests import parse_request
+from scheduler_plugins.devtools.bench.workload import (
     GPU,
     GPUCORES,
     GPUMEM,
@@ -28,11 +31,8 @@ from scheduler_plugins.bench.workload import (
     stock_manifest,
     tessera_manifest,
 )
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.devcluster.nodes import plan
-from scheduler_plugins.devcluster.stack import SCHEDULER_NAME
-from scheduler_plugins.pods import parse_request
-from scheduler_plugins.policy import Policy
+from scheduler_plugins.devtools.cluster.nodes import plan
+from scheduler_plugins.devtools.cluster.stack import SCHEDULER_NAME
 
 LABELS = {"tessera.dev/bench": "main"}
 

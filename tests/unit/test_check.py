@@ -12,11 +12,15 @@ from typing import Any
 
 import pytest
 
-from node_agent.gpu_catalog import find_model
+from api.hami import keys as ann
+from api.hami.catalog import find_model
+from api.hami.config import DeviceConfig
+from api.hami.devices import RuntimeIdentity
+from api.hami.register import GpuDevice, Placement, decode
 from node_agent.nvml.backend import full_compute_instance_profile
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.check import (
+from scheduler_plugins.cli import main
+from scheduler_plugins.devtools.check import (
     CheckInputError,
     CheckReport,
     SimNode,
@@ -27,11 +31,7 @@ from scheduler_plugins.check import (
     load_sim_states,
     parse_sim_state,
 )
-from scheduler_plugins.cli import main
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.devcluster.nodes import NodeGroup, node_object
-from scheduler_plugins.node_register import GpuDevice, Placement, decode
-from scheduler_plugins.pod_annotations import RuntimeIdentity
+from scheduler_plugins.devtools.cluster.nodes import NodeGroup, node_object
 
 Obj = dict[str, Any]
 MODEL = "A100-PCIE-40GB"

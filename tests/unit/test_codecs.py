@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugins.errors import InvalidAnnotationError
-from scheduler_plugins.node_register import decode, encode
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidAnnotationError
+from api.hami.devices import (
     DeviceAlloc,
     decode_bind_phase,
     decode_bind_time,
@@ -14,6 +13,7 @@ from scheduler_plugins.pod_annotations import (
     encode_devices,
     encode_mig_allocations,
 )
+from api.hami.register import decode, encode
 
 SPEC_REGISTER = (
     '[{"id":"GPU-1","index":0,"count":10,"devmem":40960,"devcore":100,'

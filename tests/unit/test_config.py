@@ -2,10 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugins.config import DeviceConfig, convert_known_geometries, load_config
-from scheduler_plugins.errors import InvalidConfigError
-from scheduler_plugins.mig_policy import PlacementStrategy
-from scheduler_plugins.policy import Policy
+from api.errors import InvalidConfigError
+from api.hami.config import DeviceConfig, convert_known_geometries, load_config
+from api.hami.policy import PlacementStrategy, Policy
 
 
 def test_empty_config_gives_defaults() -> None:

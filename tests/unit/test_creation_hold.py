@@ -7,10 +7,10 @@ import threading
 import time
 from pathlib import Path
 
-from node_agent.gpu_catalog import find_model
+from api.hami.catalog import find_model
+from api.hami.register import Placement
 from node_agent.nvml.backend import full_compute_instance_profile
 from node_agent.nvml.simulated import HOLD_ENV, CreationHold, SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins.node_register import Placement
 
 MODEL = "A100-PCIE-40GB"
 

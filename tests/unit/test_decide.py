@@ -2,13 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.decide import Reason, decide
-from scheduler_plugins.explain import explain
-from scheduler_plugins.node_register import GpuDevice, MigProfile, Placement
-from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation
-from scheduler_plugins.pods import PodAllocation, parse_request
-from scheduler_plugins.state import ClusterState
+from api.hami.config import DeviceConfig
+from api.hami.devices import DeviceAlloc, MigAllocation
+from api.hami.register import GpuDevice, MigProfile, Placement
+from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.explain import explain
+from scheduler_plugins.core.requests import PodAllocation, parse_request
+from scheduler_plugins.core.rules import Reason
+from scheduler_plugins.core.state import ClusterState
 from tests.builders import gpu, make_pod, mig_gpu, state_with
 
 CFG = DeviceConfig()
@@ -258,7 +259,7 @@ def test_cluster_without_gpus_explains_instead_of_failing() -> None:
 
 
 def test_node_reasons_drop_the_count_header_kube_scheduler_adds_itself() -> None:
-    from scheduler_plugins.explain import node_reasons
+    from scheduler_plugins.core.explain import node_reasons
 
     state = _frag_state()
     d = decide(state, parse_request(make_pod("p").gpu(1, mem=16000).mode("mig").build(), CFG))

@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from api.hami.config import DeviceConfig
 from benchmarks.decision_latency import make_nodes, make_pods, request_mix
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.decide import Decision, decide
-from scheduler_plugins.malloc import tune_allocator
-from scheduler_plugins.state import ClusterState, Scratch, build_state
+from scheduler_plugins.core.decide import Decision, decide
+from scheduler_plugins.core.state import ClusterState, Scratch, build_state
+from scheduler_plugins.server.malloc import tune_allocator
 
 CFG = DeviceConfig()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.devcluster import processes
-from scheduler_plugins.devcluster.errors import ComponentFailedError
+from scheduler_plugins.devtools.cluster import processes
+from scheduler_plugins.devtools.cluster.errors import ComponentFailedError
 
 SH = shutil.which("sh") or "/bin/sh"
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from scheduler_plugins.annotations import NODE_REGISTER
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.devcluster.errors import ProfileError
-from scheduler_plugins.devcluster.nodes import (
+from api.hami.config import DeviceConfig
+from api.hami.keys import NODE_REGISTER
+from api.hami.register import decode
+from scheduler_plugins.devtools.cluster.errors import ProfileError
+from scheduler_plugins.devtools.cluster.nodes import (
     NodeGroup,
     NodeProfile,
     load_profile,
@@ -19,7 +20,6 @@ from scheduler_plugins.devcluster.nodes import (
     parse_profile,
     plan,
 )
-from scheduler_plugins.node_register import decode
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster-profile.yaml"
 

@@ -20,10 +20,10 @@ import grpc
 import pytest
 
 from api.deviceplugin.v1beta1 import api_pb2
+from api.errors import InvalidInputError, TemporaryError, TesseraError
 from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DevicePluginServer
 from node_agent.deviceplugin.types import ContainerAllocation, DeviceSpec, Mount
-from scheduler_plugins.errors import InvalidInputError, TemporaryError, TesseraError
 from tests.builders import gpu
 from tests.fake_kubelet import WAIT, FakeKubelet
 

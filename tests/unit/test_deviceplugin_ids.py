@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from api.errors import InvalidInputError
 from node_agent.deviceplugin.ids import (
     InvalidDeviceIdError,
     SlotInventory,
@@ -18,7 +19,6 @@ from node_agent.deviceplugin.ids import (
     prefer_spread,
 )
 from node_agent.deviceplugin.types import PluginDevice
-from scheduler_plugins.errors import InvalidInputError
 from tests.builders import gpu
 
 UUID_A = "GPU-8a3c1d2e-0b1f-4e5a-9c7d-1234567890ab"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from scheduler_plugins.gcpolicy import OldObjectsFrozen
+from scheduler_plugins.server.gcpolicy import OldObjectsFrozen
 
 
 class FakeGc:
@@ -69,7 +69,7 @@ def test_a_period_that_is_not_positive_is_refused() -> None:
 
 _WALKED = """
 import gc, json
-from scheduler_plugins.gcpolicy import OldObjectsFrozen
+from scheduler_plugins.server.gcpolicy import OldObjectsFrozen
 pod = lambda i: {"metadata": {"name": f"p{i}", "labels": {"a": "b"}}, "spec": {"c": [1]}}
 state = [pod(i) for i in range(100_000)]
 walked_before = len(gc.get_objects())  # what a full collection walks

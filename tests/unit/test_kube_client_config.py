@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.devcluster import errors as devcluster_errors
-from scheduler_plugins.kube import errors
-from scheduler_plugins.kube.client import KubeClient
+from api.kube import errors
+from api.kube.client import KubeClient
+from scheduler_plugins.devtools.cluster import errors as devcluster_errors
 
 
 def test_in_cluster_needs_the_service_env() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.kube.client import KubeClient
-from scheduler_plugins.kube.errors import InvalidResponseError
+from api.kube.client import KubeClient
+from api.kube.errors import InvalidResponseError
 from tests.local_https import serve_https
 
 POD = '{"kind":"Pod","metadata":{"name":"p\\u00e9","annotations":{"a":"\\u2603"}},"n":1.5}'

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_plugins.kube.client import MAX_IDLE_CONNECTIONS, KubeClient
+from api.kube.client import MAX_IDLE_CONNECTIONS, KubeClient
 from tests.local_https import serve_https
 
 

@@ -12,8 +12,8 @@ import structlog
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import format_span_id, format_trace_id
 
+from api.errors import InvalidInputError
 from scheduler_plugins.cli import build_parser
-from scheduler_plugins.errors import InvalidInputError
 from scheduler_plugins.logs import add_trace_context, configure, processors
 
 

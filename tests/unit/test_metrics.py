@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -15,14 +16,14 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.devices import DeviceAlloc, MigAllocation, RuntimeIdentity
+from api.hami.register import GpuDevice, Placement, encode
 from api.plugin.v1 import plugin_pb2 as pb
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.decide import Reason
-from scheduler_plugins.node_register import GpuDevice, Placement, encode
-from scheduler_plugins.pod_annotations import DeviceAlloc, MigAllocation, RuntimeIdentity
-from scheduler_plugins.pods import PodAllocation
-from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.core.requests import PodAllocation
+from scheduler_plugins.core.rules import Reason
 from scheduler_plugins.server.metrics import (
     PREFILTER_OUTCOMES,
     ReservationTracker,
@@ -132,7 +133,7 @@ def samples(text: str) -> set[tuple[str, tuple[tuple[str, str], ...], float]]:
 
 @pytest.fixture
 def cache() -> ClusterCache:
-    return ClusterCache(DeviceConfig())
+    return ClusterCache(DeviceConfig(), clock=time.monotonic)
 
 
 # ----- MIG instance info ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,13 +21,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.register import encode
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.node_register import encode
+from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
-from scheduler_plugins.server.cache import ClusterCache
 from scheduler_plugins.server.metrics import (
     MetricsAddressError,
     MetricsServer,
@@ -284,7 +285,7 @@ def test_no_metrics_address_serves_none(short_dir: Path) -> None:
 def stub_and_metrics(
     short_dir: Path,
 ) -> Iterator[tuple[pb_grpc.SchedulerStub, CollectorRegistry, ClusterCache]]:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     ready = threading.Event()
     ready.set()
     registry = CollectorRegistry()

@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from node_agent.gpu_catalog import find_model
+from api.hami.catalog import find_model
+from api.hami.devices import (
+    MigAllocation,
+    RuntimeIdentity,
+    encode_mig_allocations,
+)
+from api.hami.register import Placement
 from node_agent.mig_manager import (
     DesiredSet,
     InstanceKey,
@@ -27,12 +33,6 @@ from node_agent.nvml import (
     NvmlError,
     SimulatedGpuSpec,
     SimulatedNvml,
-)
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import (
-    MigAllocation,
-    RuntimeIdentity,
-    encode_mig_allocations,
 )
 from tests.builders import make_pod
 

@@ -8,15 +8,15 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from node_agent.gpu_catalog import find_model
-from scheduler_plugins.errors import InvalidInputError
-from scheduler_plugins.mig_policy import (
+from api.errors import InvalidInputError
+from api.hami.catalog import find_model
+from api.hami.policy import PlacementStrategy
+from api.hami.register import MigProfile, Placement
+from scheduler_plugins.core.mig_policy import (
     ChoiceTable,
-    PlacementStrategy,
     build_choice_table,
     sort_profiles,
 )
-from scheduler_plugins.node_register import MigProfile, Placement
 
 A100_ALLOWLIST = ("1g.5gb", "2g.10gb", "3g.20gb", "7g.40gb")
 

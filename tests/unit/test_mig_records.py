@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from node_agent.mig_manager import Owner
-from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
-from scheduler_plugins.errors import InvalidAnnotationError
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import (
+from api.errors import InvalidAnnotationError
+from api.hami.devices import (
     MigAllocation,
     RuntimeIdentity,
     decode_mig_allocations,
     encode_mig_allocations,
 )
+from api.hami.register import Placement
+from node_agent.mig_manager import Owner
+from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
 from tests.builders import make_pod
 
 NODE = "node-a"

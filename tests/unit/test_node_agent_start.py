@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.keys import NODE_REGISTER
+from api.hami.register import Placement
+from api.kube.errors import ServerError
 from node_agent.agent import NodeAgent
 from node_agent.nvml.errors import NvmlUnavailable, Uninitialized
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from scheduler_plugins.annotations import NODE_REGISTER
-from scheduler_plugins.config import DeviceConfig, NodeConfig
-from scheduler_plugins.kube.errors import ServerError
-from scheduler_plugins.node_register import Placement
 from tests.fake_kubelet import FakeKubelet
 from tests.node_agent_fakes import FakeKube
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.gpu_catalog import MODELS, simulated_devices
+from api.errors import InvalidConfigError
+from api.hami.catalog import MODELS, simulated_devices
+from api.hami.config import DeviceConfig
+from api.hami.keys import GpuMode
 from node_agent.nvml import (
     BACKEND_KINDS,
     GpuInstanceProfileInfo,
@@ -18,9 +21,6 @@ from node_agent.nvml import (
     make_backend,
 )
 from node_agent.nvml.discovery import discover
-from scheduler_plugins.annotations import GpuMode
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidConfigError
 
 A100 = "NVIDIA A100-PCIE-40GB"
 MIG_MODELS = [m.name for m in MODELS if m.mig_capable]

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from api.hami.register import Placement
 from node_agent.nvml import (
     InsufficientResources,
     InUse,
@@ -32,7 +33,6 @@ from node_agent.nvml import (
 from node_agent.nvml.backend import COMPUTE_INSTANCE_PROFILE_SLICES
 from node_agent.nvml.errors import error_for_code
 from node_agent.nvml.real import map_nvml_error
-from scheduler_plugins.node_register import Placement
 
 A100 = "NVIDIA A100-PCIE-40GB"
 MIB = 1024 * 1024

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.gpu_catalog import find_model, simulated_gpu_uuid
+from api.hami.catalog import find_model, simulated_gpu_uuid
+from api.hami.register import Placement
 from node_agent.nvml import (
     InsufficientResources,
     InUse,
@@ -23,7 +24,6 @@ from node_agent.nvml import (
     Uninitialized,
 )
 from node_agent.nvml.backend import full_compute_instance_profile
-from scheduler_plugins.node_register import Placement
 
 A100 = "NVIDIA A100-PCIE-40GB"
 RTX = "NVIDIA RTX PRO 6000 Blackwell Server Edition"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from benchmarks import placement_quality as bench
-from scheduler_plugins.mig_policy import build_choice_table
+from scheduler_plugins.core.mig_policy import build_choice_table
 
 
 def test_tessera_beats_hami_order_and_nears_the_optimum() -> None:

@@ -21,14 +21,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.register import GpuDevice, encode
+from api.kube.errors import ServerError, UnreachableError
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.kube.errors import ServerError, UnreachableError
-from scheduler_plugins.node_register import GpuDevice, encode
+from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
-from scheduler_plugins.server.cache import ClusterCache
 from scheduler_plugins.server.events import REASON, EventRecorder
 from scheduler_plugins.server.servicer import (
     WAIT_ELSEWHERE,
@@ -187,7 +187,7 @@ def short_dir() -> Iterator[Path]:
 def _harness(
     short_dir: Path, prebind_wait_s: float, ready: bool, max_prebind_waiters: int = 16
 ) -> Iterator[Harness]:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     kube = FakeKube()
     ev = threading.Event()
     if ready:
@@ -1088,7 +1088,7 @@ def test_unreadable_allocating_annotations_make_the_node_busy_for_everyone(h: Ha
 
 
 def test_malformed_node_register_counts_the_node_gpu_less() -> None:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     cache.apply_node(node_obj("n", register="[{not json"))
     assert len(cache.state.nodes["n"].devices) == 0
     cache.apply_node(node_obj("n", gpu("GPU-1")))
@@ -1097,7 +1097,7 @@ def test_malformed_node_register_counts_the_node_gpu_less() -> None:
 
 
 def test_malformed_pod_allocation_keeps_the_previous_record() -> None:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     cache.apply_node(node_obj("n", gpu("GPU-1")))
     pod = bound_pod("p", "n", [[("GPU-1", 1000, 10)]])
     cache.apply_pod(pod)
@@ -1111,7 +1111,7 @@ def test_malformed_pod_allocation_keeps_the_previous_record() -> None:
 
 
 def test_unchanged_events_do_not_invalidate_decisions() -> None:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     cache.apply_node(node_obj("n", gpu("GPU-1")))
     pod = bound_pod("p", "n", [[("GPU-1", 1000, 10)]])
     cache.apply_pod(pod)
@@ -1127,7 +1127,7 @@ def test_unchanged_events_do_not_invalidate_decisions() -> None:
 def test_bind_phase_and_status_events_reuse_the_parsed_allocation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import scheduler_plugins.server.cache as cache_module
+    import scheduler_plugins.core.cache as cache_module
 
     parsed: list[str] = []
     real = cache_module.parse_allocation
@@ -1137,7 +1137,7 @@ def test_bind_phase_and_status_events_reuse_the_parsed_allocation(
         return real(pod)
 
     monkeypatch.setattr(cache_module, "parse_allocation", counting)
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2")))
     pod = bound_pod("p", "n", [[("GPU-1", 1000, 10)]], bind_phase="allocating")
     cache.apply_pod(pod)
@@ -1330,7 +1330,7 @@ def test_waiting_prebinds_wake_only_when_what_blocks_them_changes() -> None:
     """A node's waiters wake when a pod stops blocking there (or blocks differently), not
     when the watch shows a claimed pod bound with what was claimed, nor for the status
     updates of a pod done allocating."""
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     woken: list[tuple[str | None, ...]] = []
     notify = cache._notify
 

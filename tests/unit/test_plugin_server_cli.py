@@ -6,11 +6,8 @@ import argparse
 
 import pytest
 
-from scheduler_plugins.server.cli import (
-    DEFAULT_RPC_WORKERS,
-    MIN_RPC_WORKERS,
-    add_plugin_server_commands,
-)
+from scheduler_plugins.server.app import DEFAULT_RPC_WORKERS, MIN_RPC_WORKERS
+from scheduler_plugins.server.cli import add_plugin_server_commands
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -8,17 +8,11 @@ from typing import Any
 
 import pytest
 
+from api.hami.keys import DEVICES_TO_ALLOCATE
+from api.hami.matching import ambiguous, next_container
+from api.kube.objects import annotations_of
 from node_agent.deviceplugin.ids import InvalidDeviceIdError
-from node_agent.pod_matching import (
-    AmbiguousPodError,
-    NoMatchingPodError,
-    ambiguous,
-    annotations_of,
-    match_pod,
-    next_container,
-    preferred_gpus,
-)
-from scheduler_plugins.annotations import DEVICES_TO_ALLOCATE
+from node_agent.pod_matching import AmbiguousPodError, NoMatchingPodError, match_pod, preferred_gpus
 from tests.node_agent_fakes import make_pod
 
 A, B = "GPU-aaaa-1111", "GPU-bbbb-2222"

@@ -2,10 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import InvalidRequestError
-from scheduler_plugins.pods import parse_allocation, parse_quantity, parse_request
-from scheduler_plugins.policy import Policy
+from api.errors import InvalidRequestError
+from api.hami.config import DeviceConfig
+from api.hami.policy import Policy
+from api.kube.objects import parse_quantity
+from scheduler_plugins.core.requests import parse_allocation, parse_request
 from tests.builders import make_pod
 
 CFG = DeviceConfig()

@@ -7,11 +7,11 @@ from datetime import UTC, datetime
 
 import pytest
 
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.keys import NODE_REGISTER
+from api.hami.register import decode
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from node_agent.registration import HANDSHAKE, Registrar
-from scheduler_plugins.annotations import NODE_REGISTER
-from scheduler_plugins.config import DeviceConfig, NodeConfig
-from scheduler_plugins.node_register import decode
 from tests.node_agent_fakes import FakeKube
 
 NODE = "node-a"

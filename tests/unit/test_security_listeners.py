@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from api.hami.config import DeviceConfig
 from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DevicePluginServer
 from scheduler_plugins.cli import build_parser
-from scheduler_plugins.config import DeviceConfig
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from tests.builders import gpu
 from tests.fake_kubelet import FakeKubelet

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.deviceplugin.ids import SlotInventory
-from node_agent.deviceplugin.server import DevicePluginServer
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.errors import TemporaryError
-from scheduler_plugins.server.app import PluginServer, ServerAddressError
-from scheduler_plugins.unix_sockets import (
+from api.errors import TemporaryError
+from api.hami.config import DeviceConfig
+from api.sockets import (
     UnsafeSocketPathError,
     claim_socket_path,
     ensure_private_dir,
 )
+from node_agent.deviceplugin.ids import SlotInventory
+from node_agent.deviceplugin.server import DevicePluginServer
+from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from tests.builders import gpu
 from tests.fake_kubelet import FakeKubelet
 from tests.security_helpers import IdleKube, NoAllocations

@@ -14,15 +14,9 @@ from typing import Any
 
 import pytest
 
-from node_agent.allocator import AllocationRefusedError, Allocator
-from node_agent.mig_manager import MigAllocationError, MigManager
-from node_agent.mig_records import desired_from_pods
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig, NodeConfig
-from scheduler_plugins.decide import decide
-from scheduler_plugins.explain import explain
-from scheduler_plugins.node_register import Placement
-from scheduler_plugins.pod_annotations import (
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.devices import (
     DeviceAlloc,
     MigAllocation,
     RuntimeIdentity,
@@ -30,7 +24,13 @@ from scheduler_plugins.pod_annotations import (
     encode_devices,
     encode_mig_allocations,
 )
-from scheduler_plugins.pods import parse_request
+from api.hami.register import Placement
+from node_agent.allocator import AllocationRefusedError, Allocator
+from node_agent.mig_manager import MigAllocationError, MigManager
+from node_agent.mig_records import desired_from_pods
+from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.explain import explain
+from scheduler_plugins.core.requests import parse_request
 from tests.builders import make_pod
 from tests.fuzzing import (
     AGENT_NODE,

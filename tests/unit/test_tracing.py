@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,12 +21,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_trace_id
 
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.register import encode
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.node_register import encode
-from scheduler_plugins.server.cache import ClusterCache
+from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.servicer import SchedulerServicer
 from scheduler_plugins.server.tracing import (
     ATTR_DECISION_ID,
@@ -73,7 +74,7 @@ class Traced:
 
 
 def _serve(tracing: Tracing, sock: Path) -> Iterator[pb_grpc.SchedulerStub]:
-    cache = ClusterCache(DeviceConfig())
+    cache = ClusterCache(DeviceConfig(), clock=time.monotonic)
     node = {
         "apiVersion": "v1",
         "kind": "Node",

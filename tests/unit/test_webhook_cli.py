@@ -12,9 +12,9 @@ import structlog
 import yaml
 
 from scheduler_plugins.cli import main
-from scheduler_plugins.devcluster.certs import Pki
-from scheduler_plugins.devcluster.cluster import Cluster
-from scheduler_plugins.devcluster.layout import ClusterSettings
+from scheduler_plugins.devtools.cluster.certs import Pki
+from scheduler_plugins.devtools.cluster.cluster import Cluster
+from scheduler_plugins.devtools.cluster.layout import ClusterSettings
 from scheduler_plugins.webhook.errors import WebhookSetupError
 from scheduler_plugins.webhook.manifest import (
     ServiceTarget,

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from scheduler_plugins.annotations import NODE_REGISTER
-from scheduler_plugins.node_register import GpuDevice, encode
+from api.hami.keys import NODE_REGISTER
+from api.hami.register import GpuDevice, encode
 from scheduler_plugins.webhook.facts import (
     ClusterFacts,
     LargestGpu,

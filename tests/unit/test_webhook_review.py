@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from scheduler_plugins import annotations as ann
+from api.hami import keys as ann
 from scheduler_plugins.webhook.facts import UNKNOWN
 from scheduler_plugins.webhook.review import answer
 from scheduler_plugins.webhook.rules import Settings

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from scheduler_plugins import annotations as ann
-from scheduler_plugins.config import DeviceConfig
-from scheduler_plugins.pods import parse_request
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from scheduler_plugins.core.requests import parse_request
 from scheduler_plugins.webhook.facts import UNKNOWN, ClusterFacts, node_capacity
 from scheduler_plugins.webhook.rules import (
     Settings,

@@ -1,0 +1,1323 @@
+"""The engine: one scheduling decision per pod, every node's verdict, score and planned devices.
+
+This is what the plugin server answers in one round trip. It applies the rules (``rules``: which
+GPUs a pod considers, when a GPU fits a device, the scores; ``mig_policy``: the MIG profile and
+placement) with vectorized numpy to per-path tables of the GPU rows of ``ClusterState``. Every
+node's verdict comes mostly from how many GPUs of a node can take a device of each container
+(``_feasible``), with the full evaluation (``_evaluate``: devices picked and counted container
+by container) only for the nodes those counts can't decide. A node's planned devices are
+evaluated when asked for (``plan_for``; a scheduling cycle reserves one node), and failure
+reasons when an explanation needs them: the same evaluation of the rejected nodes, reporting
+which checks failed (``Decision.reasons``). A Decision is valid until the next change of the
+state it was computed from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from api.hami.devices import DeviceAlloc, MigAllocation
+from api.hami.keys import GpuMode
+from api.hami.register import Placement
+from scheduler_plugins.core import ranking, rules
+from scheduler_plugins.core.mig_policy import smallest_rank
+from scheduler_plugins.core.requests import ContainerRequest, PodAllocation, PodRequest
+from scheduler_plugins.core.rules import Reason
+from scheduler_plugins.core.state import (
+    ChoiceLuts,
+    ClusterState,
+    Geometry,
+    GpuArrays,
+    Layout,
+    PathTable,
+    Scratch,
+)
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+B = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    uuid: str
+    mem: int
+    cores: int
+    mig_profile: str | None = None
+    placement: Placement | None = None
+    gpu_score: float = 0.0
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """The devices a pod would take on one node, per container (pod order)."""
+
+    pod: str
+    node: str
+    containers: tuple[tuple[PlannedDevice, ...], ...]
+
+    def allocation(self, cpu_milli: int = 0, memory_bytes: int = 0) -> PodAllocation:
+        shared: list[DeviceAlloc] = []
+        mig: list[MigAllocation] = []
+        for ci, devices in enumerate(self.containers):
+            for di, d in enumerate(devices):
+                if d.mig_profile is not None and d.placement is not None:
+                    mig.append(MigAllocation(ci, di, d.uuid, d.mig_profile, d.placement))
+                else:
+                    shared.append(DeviceAlloc(d.uuid, d.mem, d.cores))
+        return PodAllocation(
+            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes
+        )
+
+    def device_allocs(self) -> tuple[tuple[DeviceAlloc, ...], ...]:
+        return tuple(
+            tuple(DeviceAlloc(d.uuid, d.mem, d.cores) for d in devices)
+            for devices in self.containers
+        )
+
+
+@dataclass
+class _ContainerPlan:
+    request: ContainerRequest
+    rows: I64  # [S, count], -1 where none
+    mig_rank: I64  # [S, count], -1 for hami-core devices
+    mig_start: I64  # [S, count]
+    gpu_score: F64  # [S, count] GPU score (usage including this request)
+
+
+class Decision:
+    """Verdicts for every node (segments of the layout, plus GPU-less nodes).
+
+    ``feasible`` is exact for every node. What only some callers need is computed on first
+    use: ``reasons`` (Reason bits per node, meaningful where not feasible; only explanations
+    need them) and a node's planned devices (``plan_for``; a scheduling cycle reserves one
+    node). Both come from the GPU columns as they were at the decision: until they are
+    computed the decision reads the state's live columns; the state tells it before they
+    change, and it keeps a copy of them.
+    """
+
+    def __init__(
+        self,
+        request: PodRequest,
+        layout: Layout,
+        feasible: B,
+        score: F64,
+        desirability: F64,
+        kube: I64,
+        state: ClusterState,
+        masks: _Masks,
+        reasons: I64 | None = None,
+        evaluated: _Evaluated | None = None,
+    ) -> None:
+        self.request = request
+        self.layout = layout
+        self.feasible = feasible  # [S]
+        self.score = score  # [S] node usage score before this pod
+        self.desirability = desirability  # [S] higher is better (score signed by node policy)
+        self.kube = kube  # [S] Tessera's 0..100 score for kube-scheduler (``ranking``)
+        self._state = state
+        self._masks = masks
+        self._reasons = reasons
+        # Plans by segment, as computed: (plans, row of the segment in them).
+        self._plans: dict[int, tuple[list[_ContainerPlan], int]] = {}
+        self._evaluated = evaluated  # what the decision evaluated in full already
+        self._view: _View | None = None
+        if reasons is None or feasible.any():
+            self._view = _View(state.gpus, state.geometries, state.types)
+            state.watch(self)
+
+    @property
+    def reasons(self) -> I64:
+        """[S] Reason bits, meaningful where not feasible."""
+        if self._reasons is None:
+            assert self._view is not None
+            self._reasons = _reasons(
+                self._view, self.layout, self.request, self._masks, self.feasible
+            )
+            if not self.feasible.any():  # no plan will ever be asked for
+                self._view = None
+        return self._reasons
+
+    def state_changing(self) -> None:
+        """The state is about to change: keep the columns the lazy results need."""
+        if self._view is not None:
+            self._view = self._view.frozen(self.layout.n_rows)
+
+    # --- queries ---
+
+    def feasible_count(self) -> int:
+        return int(np.count_nonzero(self.feasible))
+
+    def best_node(self) -> str | None:
+        """The best feasible node by ``ranking`` (without PreBind waits); None if none fits."""
+        s = ranking.best(self.feasible, self.kube, self.desirability, self.layout.name_rank)
+        return None if s < 0 else str(self.layout.names[s])
+
+    def node_index(self, node: str) -> int:
+        return self.layout.seg_index.get(node, -1)
+
+    def plan_for(self, node: str) -> PodPlan | None:
+        self._check_fresh()
+        s = self.node_index(node)
+        if s < 0 or not self.feasible[s]:
+            return None
+        plans, row = self._plans_of(s)
+        state = self._state
+        g = state.gpus
+        per_container: dict[int, tuple[PlannedDevice, ...]] = {}
+        for cp in plans:
+            devices: list[PlannedDevice] = []
+            for k in range(cp.request.count):
+                r = int(cp.rows[row, k])
+                uuid = _row_uuid(state, node, r)
+                rank = int(cp.mig_rank[row, k])
+                if rank >= 0:
+                    geom = state.geometries[int(g.geom[r])]
+                    prof = geom.profiles[rank]
+                    start = int(cp.mig_start[row, k])
+                    size = next(p.size for p in prof.placements if p.start == start)
+                    devices.append(
+                        PlannedDevice(
+                            uuid,
+                            prof.memory_mb,
+                            prof.core,
+                            prof.name,
+                            Placement(start, size),
+                            float(cp.gpu_score[row, k]),
+                        )
+                    )
+                else:
+                    devices.append(
+                        PlannedDevice(
+                            uuid,
+                            cp.request.mem_for(int(g.mem[r])),
+                            cp.request.cores,
+                            gpu_score=float(cp.gpu_score[row, k]),
+                        )
+                    )
+            per_container[cp.request.index] = tuple(devices)
+        return PodPlan(
+            self.request.key,
+            node,
+            tuple(per_container.get(i, ()) for i in range(self.request.container_count)),
+        )
+
+    def verdicts(self) -> list[tuple[str, bool, float, list[str]]]:
+        """(node, feasible, score, reasons) for every node, sorted by name (for people)."""
+        out = [
+            (
+                name,
+                bool(self.feasible[i]),
+                float(self.score[i]),
+                [] if self.feasible[i] else rules.reason_names(int(self.reasons[i])),
+            )
+            for i, name in enumerate(self.layout.names)
+        ]
+        out += [
+            (name, False, 0.0, [rules.REASON_TEXT[Reason.NO_GPU]]) for name in self.layout.gpu_less
+        ]
+        return sorted(out)
+
+    def _plans_of(self, s: int) -> tuple[list[_ContainerPlan], int]:
+        """The plans of feasible segment ``s``, and its row in them: from what the decision
+        evaluated already, or evaluated now for ``s`` alone."""
+        found = self._plans.get(s)
+        if found is None:
+            if self._evaluated is not None and (row := self._evaluated.row(s)) >= 0:
+                found = (self._evaluated.plans, row)
+            else:
+                found = (self._evaluate_node(s), 0)
+            self._plans[s] = found
+        return found
+
+    def _evaluate_node(self, s: int) -> list[_ContainerPlan]:
+        """The full evaluation (``_evaluate``) of segment ``s`` alone: its planned devices."""
+        assert self._view is not None
+        layout = self.layout
+        owned = layout.scratch.acquire()  # for the tables' memo; never waits
+        try:
+            ok, plans = _evaluate(
+                self._view, layout, self.request, self._masks, np.array([s], np.int64), owned
+            )
+        finally:
+            if owned:
+                layout.scratch.release()
+        if not ok[0]:
+            raise RuntimeError(
+                f"node {layout.names[s]} was counted feasible for {self.request.key} but its "
+                "evaluation finds no devices (a scheduling-core bug; please report it)"
+            )
+        return plans
+
+    def _check_fresh(self) -> None:
+        if self._state.layout_version != self.layout.version:
+            raise RuntimeError("decision used after the cluster layout changed; decide again")
+
+
+@dataclass(frozen=True)
+class _Evaluated:
+    """Plans from a full evaluation of some segments (``segs``; None: all of them)."""
+
+    segs: I64 | None
+    plans: list[_ContainerPlan]
+
+    def row(self, s: int) -> int:
+        """The row of segment ``s`` in ``plans``; -1 if not evaluated."""
+        if self.segs is None:
+            return s
+        i = int(np.searchsorted(self.segs, s))
+        return i if i < self.segs.size and int(self.segs[i]) == s else -1
+
+
+def _row_uuid(state: ClusterState, node: str, row: int) -> str:
+    entry = state.nodes[node]
+    return entry.devices[row - entry.start].id
+
+
+class _StateLike(Protocol):
+    @property
+    def gpus(self) -> GpuArrays: ...
+    @property
+    def geometries(self) -> list[Geometry]: ...
+    @property
+    def types(self) -> list[str]: ...
+
+
+_COLUMNS = tuple(f.name for f in fields(GpuArrays) if f.name != "slice_use")
+
+
+class _View:
+    """The GPU columns a lazy computation reads: the state's live ones, or a frozen copy."""
+
+    def __init__(self, gpus: GpuArrays, geometries: list[Geometry], types: list[str]) -> None:
+        self.gpus = gpus
+        self.geometries = geometries
+        self.types = types
+
+    def frozen(self, n: int) -> _View:
+        g = self.gpus
+        copy_ = GpuArrays(**{name: getattr(g, name)[:n].copy() for name in _COLUMNS})
+        # Geometries and types are only ever appended to: a snapshot of the list is enough.
+        return _View(copy_, list(self.geometries), list(self.types))
+
+
+def _per_gpu(values: npt.NDArray[Any], layout: Layout, fill: float) -> npt.NDArray[Any]:
+    """``values`` of each segment's GPUs as a [GPU, segment] table; ``fill`` where none."""
+    table = values[layout.gpu_rows]
+    if layout.gpu_rows_ok is not None:
+        table = np.where(layout.gpu_rows_ok, table, fill)
+    return table
+
+
+_OK_OFFSET = np.array([-np.inf, 0.0])  # indexed by a bool: -inf where not ok
+_OK_OFFSET.setflags(write=False)
+
+
+def decide(state: ClusterState, request: PodRequest) -> Decision:
+    layout = state.layout()
+    # The layout's work arrays (and its tables'), unless another decision holds them now.
+    owned = layout.scratch.acquire()
+    try:
+        return _decide(state, request, layout, owned)
+    finally:
+        if owned:
+            layout.scratch.release()
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """What a request excludes regardless of usage: GPU types and UUIDs (by its selectors), and
+    every GPU with inconsistent MIG reservations when there is any (``conflict``)."""
+
+    ok_types: B | None  # by type id
+    uuid_ok: B | None  # by GPU row
+    conflict: bool
+
+
+def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
+    n = layout.n_rows
+    S = len(layout.names)
+    uuid_ok = (
+        _uuid_mask(state, layout, request, owned)
+        if request.use_uuids or request.nouse_uuids
+        else None
+    )
+    if S == 0:  # no node registers a GPU
+        empty = np.zeros(0)
+        masks = _Masks(None, uuid_ok, False)
+        return Decision(
+            request,
+            layout,
+            np.zeros(0, np.bool_),
+            empty,
+            empty,
+            np.zeros(0, np.int64),
+            state,
+            masks,
+            reasons=np.zeros(0, np.int64),
+        )
+    ok_types: B | None = None
+    if request.use_types or request.nouse_types:
+        ok_types = np.array(
+            [rules.type_allowed(t, request.use_types, request.nouse_types) for t in state.types]
+            or [True],
+            np.bool_,
+        )
+    masks = _Masks(ok_types, uuid_ok, bool(state.gpus.conflict[:n].any()))
+    score = _node_scores(state, layout)
+    desirability = score * request.node_policy.sign
+    kube = ranking.kube_scores(score, request.node_policy, _score_max(state))
+    feasible, evaluated = _feasible(state, layout, request, masks, owned, kube, desirability)
+    return Decision(
+        request=request,
+        layout=layout,
+        feasible=feasible,
+        score=score,
+        desirability=desirability,
+        kube=kube,
+        state=state,
+        masks=masks,
+        evaluated=evaluated,
+    )
+
+
+# Feasibility without planning devices. A container fits a path of a node when enough of the
+# node's GPUs on that path can each take one of its devices, counted on the usage before the
+# pod: usage only grows while a pod is planned, so a GPU that can't take a device then never
+# can, and a GPU no earlier container of the pod touched is as it was. Hence, with D devices
+# planned before container c (at most D GPUs touched):
+#   sure:     some path has >= count(c) + D fitting GPUs          (untouched ones suffice)
+#   possible: some path has >= count(c) fitting GPUs (hami-core: distinct cards) or >= 1 (MIG:
+#             one card can take several instances)
+# A node is feasible if every container is sure, infeasible if one is not possible; only the
+# nodes in between get the full evaluation. Single-container pods (apart from MIG with several
+# devices) have none in between.
+
+
+def _feasible(
+    state: ClusterState,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    owned: bool,
+    kube: I64,
+    desirability: F64,
+) -> tuple[B, _Evaluated | None]:
+    """Every node's verdict, and the plans of the nodes evaluated in full for it: those the
+    counts can't decide and, with them, the best node the counts find feasible (so the plan of
+    the best node, whichever it turns out to be, is among them)."""
+    S = len(layout.names)
+    if not request.containers:
+        return np.ones(S, np.bool_), None
+    paths = _paths(state, layout, request, masks, owned, None, kept_usage=owned)
+    sure = np.ones(S, np.bool_)
+    possible = sure.copy()
+    counts: dict[tuple[int, int, int], list[npt.NDArray[Any] | None]] = {}
+    before = 0  # devices of the containers planned before this one
+    for c in request.containers:
+        key = (c.mem_mib, c.mem_percent, c.cores)
+        per_path = counts.get(key)
+        if per_path is None:
+            per_path = counts[key] = [p.fit_counts(c) for p in paths]
+        # The first container's count is exact on hami-core, and on MIG for one device.
+        exact = before == 0 and (c.count == 1 or not any(p.mig for p in paths))
+        sure_c = np.zeros(S, np.bool_)
+        possible_c = sure_c if exact else np.zeros(S, np.bool_)
+        for path, cnt in zip(paths, per_path, strict=True):
+            if cnt is None:  # no GPU of this path can take one device
+                continue
+            nodes = path.table.nodes
+            sure_c[nodes] |= cnt >= before + c.count
+            if not exact:
+                possible_c[nodes] |= cnt >= (1 if path.mig else c.count)
+        sure &= sure_c
+        possible &= possible_c
+        before += c.count
+    unsure = possible
+    unsure &= ~sure
+    if not unsure.any():
+        return sure, None
+    best = ranking.best(sure, kube, desirability, layout.name_rank)
+    if best >= 0:
+        unsure[best] = True
+    segs = np.flatnonzero(unsure)
+    if segs.size * 3 > S:  # the full tables are cheaper than gathering most of their rows
+        ok, plans = _evaluate(state, layout, request, masks, None, owned)
+        return ok, _Evaluated(None, plans)
+    ok, plans = _evaluate(state, layout, request, masks, segs, owned)
+    sure[segs] = ok
+    return sure, _Evaluated(segs, plans)
+
+
+def _paths(
+    src: _StateLike,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    owned: bool,
+    segs: I64 | None,
+    *,
+    kept_usage: bool = False,
+    why: bool = False,
+) -> list[_Path]:
+    """The request's paths (hami-core, MIG: the allowed ones with GPUs), over the whole tables
+    or only the rows of segments ``segs``. ``kept_usage``: the paths read the usage each table
+    keeps (``_kept_usage``; ``src`` is the state, the tables' scratch is owned) and must not
+    count devices in it."""
+    allow_core, allow_mig = rules.modes(request.mode)
+    paths: list[_Path] = []
+    for allow, table, mig in ((allow_core, layout.core, False), (allow_mig, layout.mig, True)):
+        if not allow or table is None or not table.nodes.size:
+            continue
+        memo = table.scratch.memo if owned else None
+        if segs is None:
+            scratch = table.scratch if owned else Scratch()
+            usage = None
+            if kept_usage:
+                assert isinstance(src, ClusterState) and owned
+                usage = _kept_usage(src, table, mig)
+            paths.append(
+                _Path(src, table, masks, mig=mig, scratch=scratch, memo=memo, usage=usage, why=why)
+            )
+            continue
+        sub = _rows_of(table, segs, memo)
+        if sub is not None:
+            paths.append(
+                _Path(src, sub, masks, mig=mig, scratch=Scratch(), memo=memo, full=table, why=why)
+            )
+    return paths
+
+
+def _kept_usage(state: ClusterState, table: PathTable, mig: bool) -> tuple[F64, F64, F64, I64]:
+    """The state's usage columns gathered into ``table`` [P, W] (used slots, memory, cores, MIG
+    mask; an empty mask for hami-core), kept with the table and refreshed where pods changed
+    rows since: gathering 40k-row columns is most of what a decision costs otherwise. Only the
+    table's ok positions are kept current. Call while owning the table's scratch; read-only."""
+    memo = table.scratch.memo
+    g = state.gpus
+    columns: list[npt.NDArray[Any]] = [g.used_slots, g.used_mem, g.used_cores]
+    if mig:
+        columns.append(g.mig_mask)
+    clock = state.usage_clock
+    kept: tuple[int, list[npt.NDArray[Any]]] | None = memo.get("usage")
+    arrays: list[npt.NDArray[Any]] | None = None
+    if kept is not None:
+        changed = state.usage_changes_since(kept[0])
+        if changed is not None and len(changed) * 8 < table.idx.size:
+            arrays = kept[1]
+            pos = table.pos[changed] if changed else table.pos[:0]
+            pos = pos[pos >= 0]
+            if pos.size:
+                rows = table.idx.ravel()[pos]
+                for a, column in zip(arrays, columns, strict=True):
+                    a.ravel()[pos] = column[rows]
+    if arrays is None:
+        arrays = [np.take(column, table.idx) for column in columns]
+    memo["usage"] = (clock, arrays)
+    mask = arrays[3] if mig else np.zeros(0, np.int64)
+    return arrays[0], arrays[1], arrays[2], mask
+
+
+def _evaluate(
+    src: _StateLike,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    segs: I64 | None,
+    owned: bool,
+    why: I64 | None = None,
+) -> tuple[B, list[_ContainerPlan]]:
+    """Every container on every allowed path, each container's planned devices counted before
+    the next: (feasible, plans) of the segments ``segs`` (all when None), indexed like them.
+    Every step is per node, so a subset of segments gets what the whole layout would. With
+    ``why`` (indexed like the result), OR into it the reasons of every check that failed on a
+    GPU the pod considers, container by container (what ``Decision.reasons`` reports)."""
+    S = len(layout.names) if segs is None else int(segs.size)
+    paths = _paths(src, layout, request, masks, owned, segs, why=why is not None)
+    work = layout.scratch if owned and segs is None else Scratch()
+    # What the Decision keeps is allocated here, fresh; work arrays never reach it.
+    feasible = np.ones(S, np.bool_)
+    plans: list[_ContainerPlan] = []
+    remaining = request.device_count
+    sign = request.gpu_policy.sign
+    ok_c = work.get("ok_c", (S,), np.bool_)
+    desir_c = work.get("desir_c", (S,), np.float64)
+    winner = work.get("winner", (S,), np.int64)  # the path each node's devices come from
+    for c in request.containers:
+        remaining -= c.count
+        rows = np.full((S, c.count), -1, np.int64)
+        rank = np.full((S, c.count), -1, np.int64)
+        start = np.full((S, c.count), -1, np.int64)
+        gscore = np.zeros((S, c.count))
+        ok_c.fill(False)
+        desir_c.fill(-np.inf)
+        winner.fill(-1)
+        outs: list[_PathResult] = []
+        for i, path in enumerate(paths):
+            res = path.mig_path(c, sign) if path.mig else path.core_path(c, sign)
+            outs.append(res)
+            nodes = path.table.nodes
+            if why is not None and res.why is not None:
+                why[nodes] |= res.why
+            oc = ok_c[nodes]
+            better = res.ok & (~oc | (res.desir > desir_c[nodes]))
+            ok_c[nodes] = oc | res.ok
+            bn = nodes[better]
+            desir_c[bn] = res.desir[better]
+            rows[bn] = res.rows[better]
+            gscore[bn] = res.scores[better]
+            if res.rank is not None and res.start is not None:
+                rank[bn] = res.rank[better]
+                start[bn] = res.start[better]
+            else:
+                rank[bn] = -1
+                start[bn] = -1
+            winner[bn] = i
+        feasible &= ok_c
+        plans.append(_ContainerPlan(c, rows, rank, start, gscore))
+        if remaining > 0:  # count this container's devices (on its chosen path) for the next
+            for i, (path, res) in enumerate(zip(paths, outs, strict=True)):
+                path.commit(c, np.flatnonzero(winner[path.table.nodes] == i), res)
+    if not request.containers:
+        feasible[:] = True
+    return feasible, plans
+
+
+# Tables up to this many positions (a few nodes' rows) are evaluated with plain expressions:
+# for them, what a numpy call costs is its call, and work arrays only add calls.
+_SMALL = 256
+
+
+def _pick(desir: F64, avail: B, work: Scratch) -> tuple[I64, B]:
+    """Per table row: the first column with the maximum ``desir`` among ``avail`` columns
+    (``desir`` finite). Column-wise maxima: numpy's axis-1 reductions over 8 columns are slow."""
+    shape = desir.shape
+    if desir.size <= _SMALL:  # the same maxima and comparisons, in fewer calls
+        v0 = desir + _OK_OFFSET[avail.view(np.uint8)]
+        top0 = v0.max(axis=1)
+        return (v0 >= (top0 - 1e-9)[:, None]).argmax(axis=1), top0 > -np.inf
+    v = work.get("pick_v", shape, np.float64)  # desir, -inf where not available
+    np.take(_OK_OFFSET, avail.view(np.uint8), out=v, mode="clip")
+    np.add(desir, v, out=v)
+    top = work.get("pick_top", shape[:1], np.float64)
+    np.copyto(top, v[:, 0])
+    for j in range(1, v.shape[1]):
+        np.maximum(top, v[:, j], out=top)
+    found = top > -np.inf
+    top -= 1e-9
+    at_top = work.get("pick_at_top", shape, np.bool_)
+    np.greater_equal(v, top[:, None], out=at_top)
+    first = at_top.argmax(axis=1)
+    return first, found
+
+
+# Each row's W booleans read as one unsigned word: times 0x0101...01, the top byte is their sum.
+_BYTE_SUM: dict[int, tuple[type[np.unsignedinteger[Any]], int, int]] = {
+    1: (np.uint8, 0x01, 0),
+    2: (np.uint16, 0x0101, 8),
+    4: (np.uint32, 0x01010101, 24),
+    8: (np.uint64, 0x0101010101010101, 56),
+}
+
+
+def _row_counts(fit: B) -> npt.NDArray[Any]:
+    """Per row of ``fit`` [P, W], how many are True (axis-1 sums of 8 columns are slow)."""
+    spec = _BYTE_SUM.get(fit.shape[1])
+    if spec is None or not fit.flags.c_contiguous:
+        counts: npt.NDArray[Any] = fit.sum(axis=1)
+        return counts
+    dtype, mul, shift = spec
+    words = fit.view(np.uint8).view(dtype).reshape(fit.shape[0])
+    sums: npt.NDArray[Any] = words * dtype(mul)  # a new array: ``fit`` stays as it is
+    sums >>= dtype(shift)
+    return sums
+
+
+class _Table(Protocol):
+    """What a path evaluation reads of a table: a ``PathTable`` or some of its rows."""
+
+    @property
+    def nodes(self) -> I64: ...
+    @property
+    def idx(self) -> I64: ...
+    @property
+    def ok(self) -> B: ...
+    @property
+    def slots(self) -> F64: ...
+    @property
+    def mem(self) -> F64: ...
+    @property
+    def cores(self) -> F64: ...
+    @property
+    def type_id(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def min_cores(self) -> float: ...
+    @property
+    def lut_off(self) -> I64 | None: ...
+    @property
+    def lut_stride(self) -> I64 | None: ...
+    @property
+    def lut_full(self) -> I64 | None: ...
+    @property
+    def lut(self) -> ChoiceLuts | None: ...
+
+
+@dataclass(frozen=True)
+class _TableRows:
+    """The rows of a ``PathTable`` that belong to some segments. ``nodes`` are positions in
+    those segments (not segments); ``flat`` selects their positions in the full table."""
+
+    nodes: I64
+    idx: I64
+    ok: B
+    slots: F64
+    mem: F64
+    cores: F64
+    type_id: npt.NDArray[np.int32]
+    min_cores: float
+    lut_off: I64 | None
+    lut_stride: I64 | None
+    lut_full: I64 | None
+    lut: ChoiceLuts | None
+    flat: I64 | slice
+
+    @staticmethod
+    def of(table: PathTable, segs: I64) -> _TableRows | None:
+        """The rows of ``segs`` (ascending segments), or None if the table has none of them."""
+        at = np.minimum(np.searchsorted(table.nodes, segs), table.nodes.size - 1)
+        local = np.flatnonzero(table.nodes[at] == segs)
+        if not local.size:
+            return None
+        rows = at[local]
+        w = table.idx.shape[1]
+        first, end = int(rows[0]), int(rows[-1]) + 1
+        sel: I64 | slice
+        flat: I64 | slice
+        if end - first == rows.size:  # consecutive rows (a single node, say): views suffice
+            sel, flat = slice(first, end), slice(first * w, end * w)
+        else:
+            sel, flat = rows, (rows[:, None] * w + np.arange(w)).ravel()
+
+        def part(a: I64 | None) -> I64 | None:
+            return None if a is None else a[flat]
+
+        return _TableRows(
+            nodes=local,
+            idx=table.idx[sel],
+            ok=table.ok[sel],
+            slots=table.slots[sel],
+            mem=table.mem[sel],
+            cores=table.cores[sel],
+            type_id=table.type_id[sel],
+            min_cores=table.min_cores,
+            lut_off=part(table.lut_off),
+            lut_stride=part(table.lut_stride),
+            lut_full=part(table.lut_full),
+            lut=table.lut,
+            flat=flat,
+        )
+
+
+def _rows_of(table: PathTable, segs: I64, memo: dict[Any, Any] | None) -> _TableRows | None:
+    """``_TableRows.of``, kept in the table's ``memo`` for single nodes (plans are asked for
+    one node at a time, often the same few)."""
+    if memo is None or segs.size != 1:
+        return _TableRows.of(table, segs)
+    kept: dict[int, _TableRows | None] = memo.setdefault("rows_of_node", {})
+    s = int(segs[0])
+    if s not in kept:
+        if len(kept) >= 256:
+            kept.clear()
+        kept[s] = _TableRows.of(table, segs)
+    return kept[s]
+
+
+class _Columns(NamedTuple):
+    slots: F64
+    mem: F64
+    cores: F64
+    ok: B
+    us: F64
+    um: F64
+    uc: F64
+
+
+@dataclass
+class _PathResult:
+    """One container on one path, per table row (work arrays: read before the next call)."""
+
+    ok: B  # [P] every device found
+    desir: F64  # [P] sum of the devices' desirability
+    rows: I64  # [P, count] GPU rows
+    scores: F64  # [P, count] GPU scores
+    pos: I64  # [P, count] flat positions in the path's table
+    rank: I64 | None = None  # [P, count] MIG profile rank
+    start: I64 | None = None  # [P, count] MIG placement start
+    why: I64 | None = None  # [P] reasons of the checks that failed (only when asked)
+
+
+class _Path:
+    """One path's (hami-core or MIG) GPUs for one decision: usage gathered into the path's
+    dense per-node table (or some of its rows) once; containers' planned devices are counted in
+    it (never the state's). The last evaluation (fit and GPU scores per position) is kept with
+    the positions changed since, so a container asking the same as the previous one is
+    re-evaluated only where the previous container's devices went. With ``why``, each
+    evaluation also reports which checks failed where (for explanations).
+
+    Everything per position or per table row lives in ``scratch`` (the table's work arrays,
+    reused by the next decision): what ``core_path``/``mig_path`` return must be copied
+    before the next call. ``memo`` keeps what depends on the full table and a request only."""
+
+    def __init__(
+        self,
+        src: _StateLike,
+        table: _Table,
+        masks: _Masks,
+        *,
+        mig: bool,
+        scratch: Scratch,
+        memo: dict[Any, Any] | None,
+        full: PathTable | None = None,
+        usage: tuple[F64, F64, F64, I64] | None = None,
+        why: bool = False,
+    ) -> None:
+        g = src.gpus
+        self.why = why
+        self.src = src
+        self.table = table
+        self.full = full  # the table ``table`` is some rows of; None: ``table`` is full
+        self.memo = memo
+        self.mig = mig
+        self.scratch = sc = scratch
+        idx = table.idx
+        self.shape: tuple[int, int] = (idx.shape[0], idx.shape[1])
+        ok = table.ok
+        ok_types, uuid_ok = masks.ok_types, masks.uuid_ok
+        if ok_types is not None or uuid_ok is not None or masks.conflict:
+            ok = sc.get("ok", self.shape, np.bool_)
+            tmp = sc.get("b0", self.shape, np.bool_)
+            np.copyto(ok, table.ok)
+            if ok_types is not None:
+                ok &= np.take(ok_types, table.type_id, out=tmp, mode="clip")
+            if uuid_ok is not None:
+                ok &= np.take(uuid_ok, idx, out=tmp, mode="clip")
+            if masks.conflict:
+                gc = np.take(g.conflict, idx, out=sc.get("i32", self.shape, np.int32), mode="clip")
+                ok &= np.equal(gc, 0, out=tmp)
+        self.ok = ok
+        if usage is not None:  # read-only: ``commit`` must not be called
+            self.slots, self.mem, self.cores, self.mask = usage
+        else:
+            self.slots = self._gather(g.used_slots, "us")
+            self.mem = self._gather(g.used_mem, "um")
+            self.cores = self._gather(g.used_cores, "uc")
+            self.mask = self._gather(g.mig_mask, "mask") if mig else np.zeros(0, np.int64)
+        self.w = idx.shape[1]
+        ar = sc.memo.get("ar")
+        if ar is None:
+            ar = sc.memo["ar"] = np.arange(table.nodes.size) * self.w
+            ar.setflags(write=False)
+        self.ar: I64 = ar
+        self._cache: tuple[tuple[Any, ...], list[npt.NDArray[Any]]] | None = None
+        self._dirty: list[I64] = []
+
+    def _gather(self, column: npt.NDArray[Any], name: str) -> npt.NDArray[Any]:
+        out = self.scratch.get(name, self.shape, column.dtype.type)
+        return np.take(column, self.table.idx, out=out, mode="clip")
+
+    def _copy(self, a: npt.NDArray[Any], name: str) -> npt.NDArray[Any]:
+        out = self.scratch.get(name, a.shape, a.dtype.type)
+        np.copyto(out, a)
+        return out
+
+    def _outputs(
+        self, count: int, names: tuple[str, ...], fill: tuple[Any, ...]
+    ) -> list[npt.NDArray[Any]]:
+        """Per table row (and device) result arrays, filled; work arrays too."""
+        P = self.shape[0]
+        out: list[npt.NDArray[Any]] = []
+        for name, value in zip(names, fill, strict=True):
+            dtype = np.bool_ if isinstance(value, bool) else type(value)
+            shape = (P,) if name in ("total", "found_all") else (P, count)
+            a = self.scratch.get(name, shape, dtype)
+            a.fill(value)
+            out.append(a)
+        return out
+
+    def _reuse(self, key: tuple[Any, ...]) -> tuple[list[npt.NDArray[Any]], I64] | None:
+        cache, dirty = self._cache, self._dirty
+        self._dirty = []
+        if cache is None or cache[0] != key:
+            return None
+        return cache[1], (np.concatenate(dirty) if dirty else np.zeros(0, np.int64))
+
+    def fit_counts(self, c: ContainerRequest) -> npt.NDArray[Any] | None:
+        """Per table row, how many GPUs could each take one device of ``c`` now; None if
+        none of this path's GPUs can."""
+        if not self.mig:
+            return _row_counts(self._core_fit(c, self._core_columns(None), work=True)[0])
+        minr = self._min_rank(c)
+        if minr is None:
+            return None
+        prof = self._mig_profile_all(minr, self.mask.ravel())[1]
+        return _row_counts(
+            self._mig_fit(prof, self.table.slots, self.slots, self.ok, None, work=True)[0]
+        )
+
+    def commit(self, c: ContainerRequest, chosen: I64, res: _PathResult) -> None:
+        """Count ``c``'s planned devices on table rows ``chosen`` before the next container."""
+        t = self.table
+        for k in range(c.count):
+            fp = res.pos[chosen, k]
+            if not fp.size:
+                continue
+            if self.mig:
+                assert res.rank is not None and res.start is not None
+                bits, mem, cores = _mig_devices(
+                    self.src, res.rows[chosen, k], res.rank[chosen, k], res.start[chosen, k]
+                )
+                self.mask.ravel()[fp] |= bits
+                self.slots.ravel()[fp] += 1
+                self.mem.ravel()[fp] += mem
+                self.cores.ravel()[fp] += cores
+            else:
+                self.slots.ravel()[fp] += 1
+                self.mem.ravel()[fp] += (
+                    c.mem_mib if c.mem_mib else t.mem.ravel()[fp] * c.mem_percent // 100
+                )
+                self.cores.ravel()[fp] += c.cores
+            self._dirty.append(fp)
+
+    # --- hami-core ---
+
+    def _core_columns(self, pos: I64 | None) -> _Columns:
+        """Capacities, ok, usage (slots, memory, cores) of every position or of ``pos``."""
+        t = self.table
+        cols = _Columns(t.slots, t.mem, t.cores, self.ok, self.slots, self.mem, self.cores)
+        if pos is None:
+            return cols
+        slots, mem, cores, ok, us, um, uc = cols
+        return _Columns(
+            slots.ravel()[pos],
+            mem.ravel()[pos],
+            cores.ravel()[pos],
+            ok.ravel()[pos],
+            us.ravel()[pos],
+            um.ravel()[pos],
+            uc.ravel()[pos],
+        )
+
+    def _core_fit(
+        self, c: ContainerRequest, cols: _Columns, *, work: bool
+    ) -> tuple[B, F64 | float, I64 | None]:
+        """Where each position can take one device of ``c`` (``rules.core_checks``), the memory
+        it asks of each, and with ``self.why`` the failed checks' reasons. ``work``: in work
+        arrays, read before the next evaluation."""
+        slots, mem, cores, ok, us, um, uc = cols
+        sc, shape = self.scratch, ok.shape
+        req_mem = rules.request_memory(
+            c.mem_mib, c.mem_percent, mem, sc.get("req_mem", shape, np.float64) if work else None
+        )
+        checks = rules.core_checks(
+            slots,
+            mem,
+            cores,
+            us,
+            um,
+            uc,
+            req_mem,
+            c.cores,
+            # else every card has more cores than asked: no exclusivity
+            exclusive_possible=c.cores >= self.table.min_cores,
+            out=(sc.get("b0", shape, np.bool_), sc.get("f0", shape, np.float64)) if work else None,
+        )
+        why = np.zeros(shape, np.int64) if self.why else None
+        fit = rules.fold(checks, ok, fit=sc.get("fit", shape, np.bool_) if work else None, why=why)
+        return fit, req_mem, why
+
+    def _core_eval(
+        self, c: ContainerRequest, sign: float, pos: I64 | None
+    ) -> tuple[B, F64, I64 | None]:
+        """Fit, desirability (``rules.gpu_score`` signed by the GPU policy) and failed checks
+        of every position, or of ``pos``. Large tables are evaluated in work arrays; for small
+        ones (a few nodes' rows) what a numpy call costs is its call."""
+        cols = self._core_columns(pos)
+        work = pos is None and self.ok.size > _SMALL
+        fit, req_mem, why = self._core_fit(c, cols, work=work)
+        slots, mem, cores, _, us, um, uc = cols
+        shape = fit.shape
+        sc = self.scratch
+        out = (
+            (
+                sc.get("desir", shape, np.float64),
+                sc.get("f0", shape, np.float64),
+                sc.get("b0", shape, np.bool_),
+            )
+            if work
+            else None
+        )
+        desir = rules.gpu_score(slots, mem, cores, us, um, uc, req_mem, float(c.cores), out)
+        desir *= sign
+        return fit, desir, why
+
+    def core_path(self, c: ContainerRequest, sign: float) -> _PathResult:
+        key = (c.mem_mib, c.mem_percent, c.cores, sign)
+        reuse = self._reuse(key)
+        if reuse is None:
+            fit, desir, why = self._core_eval(c, sign, None)
+        else:
+            (fit, desir, *kept), dpos = reuse
+            why = kept[0] if kept else None
+            if dpos.size:
+                f2, d2, w2 = self._core_eval(c, sign, dpos)
+                fit.ravel()[dpos] = f2
+                desir.ravel()[dpos] = d2
+                if why is not None and w2 is not None:
+                    why.ravel()[dpos] = w2
+        self._cache = (key, [fit, desir] if why is None else [fit, desir, why])
+        t = self.table
+        rows, scores, pos, total, found_all = self._outputs(
+            c.count,
+            ("rows", "scores", "pos", "total", "found_all"),
+            (np.int64(-1), 0.0, np.int64(-1), 0.0, True),
+        )
+        avail = fit
+        flat_d = desir.ravel()
+        for k in range(c.count):
+            first, found = _pick(desir, avail, self.scratch)
+            found_all &= found
+            at = self.ar + first
+            pos[:, k] = at
+            fpos = at[found]
+            rows[found, k] = t.idx.ravel()[fpos]
+            d = flat_d[fpos]
+            total[found] += d
+            scores[found, k] = d * sign
+            if k + 1 < c.count:
+                if avail is fit:
+                    avail = self._copy(fit, "avail")
+                avail.ravel()[fpos] = False
+        row_why = None
+        if why is not None:
+            row_why = np.bitwise_or.reduce(why, axis=1)
+            if c.count > 1:
+                fitting = _row_counts(fit)
+                row_why |= ((fitting > 0) & (fitting < c.count)) * np.int64(Reason.TOO_FEW_FITTING)
+        return _PathResult(found_all, total, rows, scores, pos, why=row_why)
+
+    # --- MIG ---
+
+    def _min_rank(self, c: ContainerRequest) -> I64 | None:
+        """Per position, the smallest profile rank the request accepts (R: none); None if
+        no geometry has a profile large enough."""
+        if self.full is None:
+            assert isinstance(self.table, PathTable)
+            return _min_rank(self.src, self.table, c, self.memo)
+        minr = _min_rank(self.src, self.full, c, self.memo)
+        assert isinstance(self.table, _TableRows)
+        return None if minr is None else minr[self.table.flat]
+
+    def _mig_profile_all(self, minr: I64, m: I64) -> tuple[I64, I64]:
+        """Every position's choice-table index (flat) and chosen profile rank ([P, W], -1:
+        none), in work arrays."""
+        t, sc = self.table, self.scratch
+        assert t.lut is not None and t.lut_off is not None
+        assert t.lut_full is not None and t.lut_stride is not None
+        flat = (t.idx.size,)
+        li = np.bitwise_and(m, t.lut_full, out=sc.get("li", flat, np.int64))
+        li *= t.lut_stride
+        li += t.lut_off
+        li += minr
+        prof = np.take(t.lut.profile, li, out=sc.get("prof", flat, np.int64), mode="clip")
+        return li, prof.reshape(self.shape)
+
+    def _mig_fit(
+        self, prof: I64, slots: F64, used_slots: F64, ok: B, reasons: I64 | None, *, work: bool
+    ) -> tuple[B, I64 | None]:
+        """Where each position can take one device with the profiles chosen (``prof``), by
+        ``rules.mig_checks``; with ``reasons`` (why no profile was chosen, per position) also
+        the failed checks' reasons. ``work``: in work arrays."""
+        sc, shape = self.scratch, prof.shape
+        checks = rules.mig_checks(
+            slots,
+            used_slots,
+            prof,
+            Reason(0) if reasons is None else reasons,
+            out=sc.get("b0", shape, np.bool_) if work else None,
+        )
+        why = None if reasons is None else np.zeros(shape, np.int64)
+        fit = rules.fold(checks, ok, fit=sc.get("fit", shape, np.bool_) if work else None, why=why)
+        return fit, why
+
+    def _mig_eval(
+        self,
+        minr: I64,
+        sign: float,
+        us: F64,
+        um: F64,
+        uc: F64,
+        mask: I64,
+        pos: I64 | None,
+        *,
+        explain: bool = False,
+    ) -> tuple[list[npt.NDArray[Any]], I64 | None]:
+        """Per position (every one, or ``pos``): the profile and start the choice table gives
+        (``mig_policy``), that profile's memory and cores, fit and desirability; with
+        ``explain`` (and ``self.why``) the failed checks' reasons. Large tables are evaluated
+        in work arrays."""
+        t, sc = self.table, self.scratch
+        lut = t.lut
+        assert lut is not None and t.lut_off is not None
+        assert t.lut_full is not None and t.lut_stride is not None
+        slots, mem, cores, ok = t.slots, t.mem, t.cores, self.ok
+        m = mask.ravel()
+        work = pos is None and ok.size > _SMALL
+        shape: tuple[int, ...]
+        if work:
+            shape = self.shape
+            li, prof = self._mig_profile_all(minr, m)
+            flat = (t.idx.size,)
+            start, pmem, pcore = (
+                np.take(a, li, out=sc.get(name, flat, a.dtype.type), mode="clip").reshape(shape)
+                for name, a in (("start", lut.start), ("pmem", lut.mem), ("pcore", lut.cores))
+            )
+        else:
+            off, full, stride = t.lut_off, t.lut_full, t.lut_stride
+            if pos is not None:
+                off, full, stride, minr, m = off[pos], full[pos], stride[pos], minr[pos], m[pos]
+                slots, mem, cores = slots.ravel()[pos], mem.ravel()[pos], cores.ravel()[pos]
+                ok, us, um, uc = ok.ravel()[pos], us.ravel()[pos], um.ravel()[pos], uc.ravel()[pos]
+                shape = pos.shape
+            else:
+                shape = ok.shape
+            li = m & full
+            li *= stride
+            li += off
+            li += minr
+            prof = lut.profile.take(li).reshape(shape)
+            start = lut.start.take(li).reshape(shape)
+            pmem = lut.mem.take(li).reshape(shape)
+            pcore = lut.cores.take(li).reshape(shape)
+        reasons = lut.why.take(li).reshape(shape) if explain and self.why else None
+        fit, why = self._mig_fit(prof, slots, us, ok, reasons, work=work)
+        out = (
+            (
+                sc.get("desir", shape, np.float64),
+                sc.get("f0", shape, np.float64),
+                sc.get("b0", shape, np.bool_),
+            )
+            if work
+            else None
+        )
+        desir = rules.gpu_score(slots, mem, cores, us, um, uc, pmem, pcore, out)
+        desir *= sign
+        return [prof, start, pmem, pcore, fit, desir], why
+
+    def mig_path(self, c: ContainerRequest, sign: float) -> _PathResult:
+        t = self.table
+        rows, rank_out, start_out, scores, pos, total, found_all = self._outputs(
+            c.count,
+            ("rows", "rank_out", "start_out", "scores", "pos", "total", "found_all"),
+            (np.int64(-1), np.int64(-1), np.int64(-1), 0.0, np.int64(-1), 0.0, True),
+        )
+        result = _PathResult(found_all, total, rows, scores, pos, rank_out, start_out)
+        key = (c.mem_mib, c.mem_percent, c.cores, sign)
+        reuse = self._reuse(key)
+        if reuse is None:
+            minr = self._min_rank(c)
+            if minr is None:  # no profile large enough anywhere
+                self._cache = None
+                found_all[:] = False
+                if self.why:
+                    none = np.full(self.shape, -1, np.int64)
+                    reasons = np.full(self.shape, int(Reason.MIG_NO_PROFILE), np.int64)
+                    why = self._mig_fit(none, t.slots, self.slots, self.ok, reasons, work=False)[1]
+                    assert why is not None
+                    result.why = np.bitwise_or.reduce(why, axis=1)
+                return result
+            ev, why = self._mig_eval(
+                minr, sign, self.slots, self.mem, self.cores, self.mask, None, explain=True
+            )
+        else:
+            (minr, *ev), dpos = reuse
+            why = ev.pop() if self.why else None
+            if dpos.size:
+                part, part_why = self._mig_eval(
+                    minr, sign, self.slots, self.mem, self.cores, self.mask, dpos, explain=True
+                )
+                for a, b in zip(ev, part, strict=True):
+                    a.ravel()[dpos] = b
+                if why is not None and part_why is not None:
+                    why.ravel()[dpos] = part_why
+        self._cache = (key, [minr, *ev] if why is None else [minr, *ev, why])
+        if why is not None:  # the first device's checks: what stops the container
+            result.why = np.bitwise_or.reduce(why, axis=1)
+        us, um, uc, mask = self.slots, self.mem, self.cores, self.mask
+        if c.count > 1:  # this path's earlier devices count for its later ones only
+            us, um = self._copy(us, "us_c"), self._copy(um, "um_c")
+            uc, mask = self._copy(uc, "uc_c"), self._copy(mask, "mask_c")
+        for k in range(c.count):
+            prof, start, pmem, pcore, fit, desir = ev
+            first, found = _pick(desir, fit, self.scratch)
+            found_all &= found
+            at = self.ar + first
+            pos[:, k] = at
+            fpos = at[found]
+            picked = t.idx.ravel()[fpos]
+            rows[found, k] = picked
+            p_prof = prof.ravel()[fpos]
+            p_start = start.ravel()[fpos]
+            rank_out[found, k] = p_prof
+            start_out[found, k] = p_start
+            d = desir.ravel()[fpos]
+            total[found] += d
+            scores[found, k] = d * sign
+            if k + 1 < c.count and picked.size:
+                bits, _, _ = _mig_devices(self.src, picked, p_prof, p_start)
+                mask.ravel()[fpos] |= bits
+                us.ravel()[fpos] += 1
+                um.ravel()[fpos] += pmem.ravel()[fpos]
+                uc.ravel()[fpos] += pcore.ravel()[fpos]
+                part, _ = self._mig_eval(minr, sign, us, um, uc, mask, fpos)
+                if k == 0:  # the cached evaluation stays as it was
+                    ev = [self._copy(a, f"ev_{i}") for i, a in enumerate(ev)]
+                for a, b in zip(ev, part, strict=True):
+                    a.ravel()[fpos] = b
+        return result
+
+
+def _min_rank(
+    src: _StateLike, table: PathTable, c: ContainerRequest, memo: dict[Any, Any] | None
+) -> I64 | None:
+    """Per position of ``table``, the smallest profile rank ``c`` accepts
+    (``mig_policy.smallest_rank``; R: none); None if no geometry has a profile large enough.
+    Depends on the table and the request only: kept in ``memo`` (the table's, read-only) for
+    the next decisions."""
+    key = ("min_rank", c.mem_mib, c.mem_percent, c.cores)
+    if memo is not None and key in memo:
+        cached: I64 | None = memo[key]
+        return cached
+    minr = np.zeros(table.idx.size, np.int64)
+    any_fit = False
+    for gid, gpos in table.geoms:
+        geom = src.geometries[gid]
+        req_mem = rules.request_memory(c.mem_mib, c.mem_percent, table.mem.ravel()[gpos])
+        ranks = smallest_rank(geom.memory, geom.cores, req_mem, c.cores)
+        minr[gpos] = ranks
+        any_fit = any_fit or bool((ranks < len(geom.profiles)).any())
+    minr.setflags(write=False)
+    result = minr if any_fit else None
+    if memo is not None:
+        if sum(1 for k in memo if k[0] == "min_rank") >= 16:  # a few request shapes recur
+            for k in [k for k in memo if k[0] == "min_rank"]:
+                del memo[k]
+        memo[key] = result
+    return result
+
+
+def _reasons(
+    src: _StateLike, layout: Layout, request: PodRequest, masks: _Masks, feasible: B
+) -> I64:
+    """[S] Reason bits of every node that is not feasible: the static reasons of its GPUs
+    (``rules.static_reasons``), too few GPUs, and the checks that failed when those nodes are
+    evaluated alone (``_evaluate`` with ``why``: the decision's own evaluation)."""
+    S = len(layout.names)
+    out = np.zeros(S, np.int64)
+    segs = np.flatnonzero(~feasible)
+    if not segs.size:
+        return out
+    n = layout.n_rows
+    g = src.gpus
+    everywhere = np.ones(n, np.bool_)
+    rows_bits = rules.static_reasons(
+        g.healthy[:n],
+        g.conflict[:n],
+        everywhere if masks.ok_types is None else masks.ok_types[g.type_id[:n]],
+        everywhere if masks.uuid_ok is None else masks.uuid_ok[:n],
+        g.is_mig[:n],
+        g.geom[:n] >= 0,
+        request.mode,
+    )
+    seg_bits = np.bitwise_or.reduce(_per_gpu(rows_bits, layout, 0), axis=0)
+    seg_bits |= _too_few_gpus(layout, request) * np.int64(Reason.TOO_FEW_GPUS)
+    if segs.size * 3 > S:  # most nodes: the full tables are cheaper than gathering their rows
+        why = np.zeros(S, np.int64)
+        _evaluate(src, layout, request, masks, None, False, why)
+        out[segs] = seg_bits[segs] | why[segs]
+    else:
+        why = np.zeros(segs.size, np.int64)
+        _evaluate(src, layout, request, masks, segs, False, why)
+        out[segs] = seg_bits[segs] | why
+    return out
+
+
+def _uuid_mask(state: ClusterState, layout: Layout, request: PodRequest, owned: bool) -> B:
+    """Per GPU row: allowed by use-gpuuuid / nouse-gpuuuid (``rules.uuid_allowed``)."""
+    rows_of: dict[str, list[int]] | None = layout.scratch.memo.get("uuid_rows") if owned else None
+    if rows_of is None:  # rows are fixed until the layout changes; UUIDs may repeat across nodes
+        rows_of = {}
+        for entry in state.nodes.values():
+            for uuid, r in entry.rows.items():
+                rows_of.setdefault(uuid, []).append(r)
+        if owned:
+            layout.scratch.memo["uuid_rows"] = rows_of
+    return rules.uuid_allowed(layout.n_rows, rows_of, request.use_uuids, request.nouse_uuids)
+
+
+def _mig_devices(state: _StateLike, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
+    """Occupancy bits, memory and cores of MIG devices (profile rank ``prof`` at ``start``)."""
+    gids = state.gpus.geom[rows]
+    size = np.zeros(rows.size, np.int64)
+    mem = np.zeros(rows.size)
+    cores = np.zeros(rows.size)
+    for gid in np.unique(gids).tolist():
+        sel = gids == gid
+        geom = state.geometries[gid]
+        size[sel] = geom.sizes[prof[sel], start[sel]]
+        mem[sel] = geom.memory[prof[sel]]
+        cores[sel] = geom.cores[prof[sel]]
+    return ((np.int64(1) << size) - 1) << start, mem, cores
+
+
+def _too_few_gpus(layout: Layout, request: PodRequest) -> B:
+    need = max((c.count for c in request.containers), default=0)
+    if not layout.n_rows or need <= 1:
+        return np.zeros(len(layout.names), np.bool_)
+    return np.asarray(layout.gpu_count < need, np.bool_)
+
+
+def _node_scores(state: ClusterState, layout: Layout) -> F64:
+    """Each segment's node score (``rules.node_score``) from the per-node sums the state keeps
+    (one gather by node index instead of summing 40k GPU rows)."""
+    if not layout.n_rows:
+        return np.zeros(0)
+    cpu = (
+        (state.node_cpu_req, state.node_cpu_alloc, state.node_mem_req, state.node_mem_alloc)
+        if state.config.node_score_cpu_memory
+        else None
+    )
+    score = rules.node_score(
+        state.node_used_slots,
+        state.node_slots,
+        state.node_used_cores,
+        state.node_cores,
+        state.node_used_mem,
+        state.node_mem,
+        cpu,
+    )
+    return score[layout.node_idx]
+
+
+def _score_max(state: ClusterState) -> float:
+    return rules.node_score_max(state.config.node_score_cpu_memory)
+
+
+def mode_of_plan(plan: PodPlan) -> GpuMode:
+    return "mig" if any(d.mig_profile for c in plan.containers for d in c) else "hami-core"
+
+
+__all__ = ["Decision", "PlannedDevice", "PodPlan", "decide"]

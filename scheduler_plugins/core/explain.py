@@ -1,0 +1,114 @@
+"""Why a pod cannot be placed: one message grouping nodes by class and reason.
+
+A node class is the node's GPU inventory (count × type, mode). For MIG fragmentation the
+message lists the free slice intervals of the affected GPUs, so an operator can see that
+capacity exists but not contiguously.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import numpy.typing as npt
+
+from scheduler_plugins.core.decide import Decision
+from scheduler_plugins.core.rules import Reason, reason_names
+from scheduler_plugins.core.state import ClusterState, Layout
+
+_MAX_NODES_LISTED = 3
+_MAX_GPUS_LISTED = 4
+_REASON_BITS = len(Reason)  # a (class, reasons) group as one integer: class << this | reasons
+
+
+def node_class(state: ClusterState, node: str) -> str:
+    entry = state.nodes.get(node)
+    if entry is None or not entry.devices:
+        return "no GPUs"
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for d in entry.devices:
+        counts[(d.type or "unknown", d.mode)] += 1
+    return ", ".join(f"{n}× {t} ({m})" for (t, m), n in sorted(counts.items()))
+
+
+def explain(decision: Decision, state: ClusterState) -> str:
+    """'0/N nodes are available: …' with one clause per (class, reasons) group."""
+    layout = decision.layout
+    total = len(layout.names) + len(layout.gpu_less)
+    groups: list[tuple[str, int, int, list[str]]] = []  # class, reasons, nodes, first names
+    infeasible = np.flatnonzero(~decision.feasible)
+    if infeasible.size:
+        classes, class_of = _classes(state, layout)
+        key = (class_of[infeasible] << _REASON_BITS) | decision.reasons[infeasible]
+        # Nodes by group, each group's by name: the first few names of a group are its first.
+        rank = layout.name_rank[infeasible]
+        order = np.lexsort((rank, key))
+        keys, starts, counts = np.unique(key[order], return_index=True, return_counts=True)
+        for k, first, count in zip(keys.tolist(), starts.tolist(), counts.tolist(), strict=True):
+            listed = order[first : first + min(count, _MAX_NODES_LISTED)]
+            names = [layout.names[int(i)] for i in infeasible[listed]]
+            groups.append((classes[k >> _REASON_BITS], k & ((1 << _REASON_BITS) - 1), count, names))
+    if layout.gpu_less:
+        names = sorted(layout.gpu_less)
+        groups.append(("no GPUs", int(Reason.NO_GPU), len(names), names[:_MAX_NODES_LISTED]))
+    clauses: list[str] = []
+    for cls, bits, count, names in sorted(groups, key=lambda g: (-g[2], g[0], g[1])):
+        what = "; ".join(reason_names(bits)) or "does not fit"
+        clause = f"{count} node{'s' if count != 1 else ''} [{cls}]: {what}"
+        if bits & Reason.MIG_FRAGMENTATION:
+            clause += " — " + _free_intervals(state, names)
+        elif count <= _MAX_NODES_LISTED:
+            clause += f" ({', '.join(names)})"
+        clauses.append(clause)
+    feasible = decision.feasible_count()
+    head = f"{feasible}/{total} nodes are available"
+    return head + (": " + "; ".join(clauses) if clauses else "")
+
+
+def node_reasons(explanation: str) -> str:
+    """An ``explain`` text without its count header: what a rejected node's Filter status
+    says (kube-scheduler prefixes its own "0/N nodes are available" and node counts)."""
+    _, _, clauses = explanation.partition(": ")
+    return f"Tessera: {clauses}" if clauses else "Tessera: does not fit"
+
+
+def _classes(state: ClusterState, layout: Layout) -> tuple[list[str], npt.NDArray[np.int64]]:
+    """The node classes of the layout and each segment's (index into them). A node's devices
+    change only with a new layout: kept with the current layout (when its scratch is free)."""
+    owned = layout.version == state.layout_version and layout.scratch.acquire()
+    try:
+        kept: tuple[list[str], npt.NDArray[np.int64]] | None = (
+            layout.scratch.memo.get("node_classes") if owned else None
+        )
+        if kept is None:
+            ids: dict[str, int] = {}
+            class_of = np.array(
+                [ids.setdefault(node_class(state, name), len(ids)) for name in layout.names],
+                np.int64,
+            )
+            kept = (list(ids), class_of)
+            if owned:
+                layout.scratch.memo["node_classes"] = kept
+        return kept
+    finally:
+        if owned:
+            layout.scratch.release()
+
+
+def _free_intervals(state: ClusterState, nodes: list[str]) -> str:
+    parts: list[str] = []
+    g = state.gpus
+    for node in nodes:
+        entry = state.nodes[node]
+        gpus: list[str] = []
+        for d in entry.devices[:_MAX_GPUS_LISTED]:
+            r = entry.rows[d.id]
+            gid = int(g.geom[r])
+            if not g.is_mig[r] or gid < 0:
+                continue
+            table = state.geometries[gid].table
+            free = table.free_intervals(int(g.mig_mask[r]))
+            text = " ".join(f"[{a},{b})" for a, b in free) or "none"
+            gpus.append(f"GPU {d.index} free slices {text}")
+        parts.append(f"{node}: {', '.join(gpus)}")
+    return "; ".join(parts)

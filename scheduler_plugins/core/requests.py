@@ -1,0 +1,268 @@
+"""Pods as the scheduling core sees them: GPU requests and recorded allocations.
+
+Input is the plain JSON/YAML form of a Kubernetes Pod (a dict); nothing here talks to the
+API. ``parse_request`` reads what a pod asks for (container limits, falling back to
+requests, plus the user annotations); ``parse_allocation`` reads what the scheduler
+recorded for a bound pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from api.errors import InvalidRequestError, short_repr
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.hami.devices import (
+    DeviceAlloc,
+    MigAllocation,
+    PodDevices,
+    decode_devices,
+    decode_mig_allocations,
+)
+from api.hami.keys import GPU_MODES, GpuMode, parse_gpu_mode
+from api.hami.policy import Policy
+from api.kube.objects import (
+    all_containers,
+    annotations_of,
+    as_object,
+    finished,
+    parse_quantity,
+    pod_key,
+)
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """What one container asks of each of its ``count`` vGPUs."""
+
+    index: int  # position in pod order, init containers first
+    name: str
+    count: int
+    mem_mib: int  # absolute MiB per vGPU; 0 when a percentage is used
+    mem_percent: int  # percent of the card per vGPU, used when mem_mib == 0
+    cores: int
+
+    def mem_for(self, devmem: int) -> int:
+        return self.mem_mib if self.mem_mib else devmem * self.mem_percent // 100
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    key: str  # "namespace/name"
+    uid: str
+    containers: tuple[ContainerRequest, ...]  # only containers that ask for GPUs
+    container_count: int  # all containers, init first
+    mode: GpuMode | None
+    node_policy: Policy
+    gpu_policy: Policy
+    use_types: tuple[str, ...]
+    nouse_types: tuple[str, ...]
+    use_uuids: tuple[str, ...]
+    nouse_uuids: tuple[str, ...]
+    cpu_milli: int
+    memory_bytes: int
+
+    @property
+    def wants_gpu(self) -> bool:
+        return bool(self.containers)
+
+    @property
+    def device_count(self) -> int:
+        return sum(c.count for c in self.containers)
+
+
+def _resource(container: Mapping[str, Any], name: str) -> object | None:
+    res = as_object(container.get("resources"))
+    for section in ("limits", "requests"):
+        values = as_object(res.get(section))
+        if name in values:
+            return cast("object", values[name])
+    return None
+
+
+def _int_resource(key: str, cname: str, name: str, raw: object, lo: int, hi: int) -> int:
+    try:
+        q = parse_quantity(raw)
+    except ValueError as e:
+        raise InvalidRequestError(key, f"container {short_repr(cname)}: {name}: {e}") from None
+    if q != q.to_integral_value():
+        raise InvalidRequestError(
+            key,
+            f"container {short_repr(cname)}: {name} must be a whole number, got {short_repr(raw)}",
+        )
+    v = int(q)
+    if not lo <= v <= hi:
+        raise InvalidRequestError(
+            key, f"container {short_repr(cname)}: {name} = {v} must be between {lo} and {hi}"
+        )
+    return v
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
+    """What the pod asks for; InvalidRequestError names the container and resource."""
+    key = pod_key(pod)
+    meta = as_object(pod.get("metadata"))
+    annotations = annotations_of(pod)
+    containers = all_containers(pod)
+    requests: list[ContainerRequest] = []
+    cpu_milli = 0
+    memory_bytes = 0
+    for i, c in enumerate(containers):
+        cname = str(c.get("name", i))
+        count_raw = _resource(c, config.resource_count_name)
+        mem_raw = _resource(c, config.resource_memory_name)
+        pct_raw = _resource(c, config.resource_memory_percentage_name)
+        cores_raw = _resource(c, config.resource_core_name)
+        cpu_raw = _resource(c, "cpu")
+        memq_raw = _resource(c, "memory")
+        try:
+            if cpu_raw is not None:
+                cpu_milli += int(parse_quantity(cpu_raw) * 1000)
+            if memq_raw is not None:
+                memory_bytes += int(parse_quantity(memq_raw))
+        except ValueError as e:
+            raise InvalidRequestError(key, f"container {short_repr(cname)}: {e}") from None
+        if count_raw is None and mem_raw is None and pct_raw is None and cores_raw is None:
+            continue
+        count = (
+            _int_resource(key, cname, config.resource_count_name, count_raw, 0, 64)
+            if count_raw is not None
+            else config.default_gpu_num
+        )
+        if count == 0:
+            if mem_raw is not None or pct_raw is not None or cores_raw is not None:
+                raise InvalidRequestError(
+                    key,
+                    f"container {short_repr(cname)}: asks for GPU memory or cores with "
+                    f"{config.resource_count_name}: 0",
+                )
+            continue
+        if mem_raw is not None and pct_raw is not None:
+            raise InvalidRequestError(
+                key,
+                f"container {short_repr(cname)}: set either {config.resource_memory_name} or "
+                f"{config.resource_memory_percentage_name}, not both",
+            )
+        mem = (
+            _int_resource(key, cname, config.resource_memory_name, mem_raw, 1, 2**31 - 1)
+            if mem_raw is not None
+            else 0
+        )
+        pct = (
+            _int_resource(key, cname, config.resource_memory_percentage_name, pct_raw, 1, 100)
+            if pct_raw is not None
+            else 0
+        )
+        if mem == 0 and pct == 0:
+            if config.default_memory:
+                mem = config.default_memory
+            else:
+                pct = 100
+        cores = (
+            _int_resource(key, cname, config.resource_core_name, cores_raw, 0, 100)
+            if cores_raw is not None
+            else config.default_cores
+        )
+        requests.append(ContainerRequest(i, cname, count, mem, pct, cores))
+
+    mode_raw = annotations.get(ann.VGPU_MODE)
+    mode: GpuMode | None = None
+    if mode_raw is not None:
+        mode = parse_gpu_mode(mode_raw)
+        if mode is None:
+            raise InvalidRequestError(
+                key,
+                f"annotation {ann.VGPU_MODE}: {short_repr(mode_raw)} is not one of "
+                f"{', '.join(GPU_MODES)}",
+            )
+    try:
+        node_policy = Policy.parse(
+            annotations.get(ann.NODE_POLICY, config.default_node_policy.value),
+            what=f"annotation {ann.NODE_POLICY}",
+        )
+        gpu_policy = Policy.parse(
+            annotations.get(ann.GPU_POLICY, config.default_gpu_policy.value),
+            what=f"annotation {ann.GPU_POLICY}",
+        )
+    except ValueError as e:
+        raise InvalidRequestError(key, str(e)) from None
+    return PodRequest(
+        key=key,
+        uid=str(meta.get("uid", "")),
+        containers=tuple(requests),
+        container_count=len(containers),
+        mode=mode,
+        node_policy=node_policy,
+        gpu_policy=gpu_policy,
+        use_types=_csv(annotations.get(ann.USE_GPUTYPE)),
+        nouse_types=_csv(annotations.get(ann.NOUSE_GPUTYPE)),
+        use_uuids=_csv(annotations.get(ann.USE_GPUUUID)),
+        nouse_uuids=_csv(annotations.get(ann.NOUSE_GPUUUID)),
+        cpu_milli=cpu_milli,
+        memory_bytes=memory_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class PodAllocation:
+    """What a bound (or assumed) pod holds on its node, as counted by the scheduler."""
+
+    key: str
+    node: str
+    devices: tuple[DeviceAlloc, ...]  # hami-core devices (MIG devices excluded)
+    mig: tuple[MigAllocation, ...]
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+
+
+def counts_against_capacity(pod: Mapping[str, Any]) -> bool:
+    """Succeeded/Failed pods hold nothing; terminating pods still do."""
+    return not finished(pod)
+
+
+def parse_allocation(pod: Mapping[str, Any]) -> PodAllocation | None:
+    """The allocation of a pod placed on a node, or None if it holds no GPUs.
+
+    Raises InvalidAnnotationError when the recorded annotations are malformed.
+    """
+    spec = as_object(pod.get("spec"))
+    annotations = annotations_of(pod)
+    node = spec.get("nodeName") or annotations.get(ann.VGPU_NODE) or ""
+    if not isinstance(node, str) or not node:
+        return None
+    key = pod_key(pod)
+    devices: PodDevices = ()
+    if ann.DEVICES_ALLOCATED in annotations:
+        devices = decode_devices(annotations[ann.DEVICES_ALLOCATED], obj=f"pod {key}")
+    mig: tuple[MigAllocation, ...] = ()
+    if ann.MIG_ALLOCATIONS in annotations:
+        mig = decode_mig_allocations(annotations[ann.MIG_ALLOCATIONS], obj=f"pod {key}")
+    mig_slots = {(m.container_index, m.device_index) for m in mig}
+    shared = tuple(
+        d
+        for ci, container in enumerate(devices)
+        for di, d in enumerate(container)
+        if (ci, di) not in mig_slots
+    )
+    cpu_milli = 0
+    memory_bytes = 0
+    for c in all_containers(pod):
+        try:
+            cpu = _resource(c, "cpu")
+            mem = _resource(c, "memory")
+            cpu_milli += int(parse_quantity(cpu) * 1000) if cpu is not None else 0
+            memory_bytes += int(parse_quantity(mem)) if mem is not None else 0
+        except ValueError:
+            continue  # the API server validated these; a bad one only skips CPU/memory terms
+    if not shared and not mig and not cpu_milli and not memory_bytes:
+        return None
+    return PodAllocation(key, node, shared, mig, cpu_milli, memory_bytes)

@@ -1,0 +1,771 @@
+"""Cluster GPU state, kept incrementally in columnar (numpy) form.
+
+One row per physical GPU; each node owns a contiguous block of rows. Pods change usage by
+deltas on their rows (O(devices)); a node whose GPU list changes gets a fresh block and its
+pods are re-applied. Assumed reservations are ordinary pod records flagged ``assumed``
+until the pod's own annotations replace them. The decision code reads the arrays as they
+are; nothing is rebuilt per scheduling cycle.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from api.hami.config import DeviceConfig
+from api.hami.register import GpuDevice, MigProfile, Placement
+from scheduler_plugins.core.mig_policy import (
+    MAX_SLICES,
+    ChoiceTable,
+    build_choice_table,
+    sort_profiles,
+)
+from scheduler_plugins.core.requests import PodAllocation
+from scheduler_plugins.core.rules import Reason
+
+_USAGE_LOG_MAX = 4096  # usage changes remembered (``ClusterState.usage_changes_since``)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A MIG geometry class: the allowed profiles of a GPU as its node registered them."""
+
+    profiles: tuple[MigProfile, ...]  # sorted: rank = index
+    table: ChoiceTable
+    memory: npt.NDArray[np.int64]  # per rank
+    cores: npt.NDArray[np.int64]  # per rank
+    slices: int
+    sizes: npt.NDArray[np.int64]  # [rank, start] -> placement size, 0 where none starts
+    # The choice table flattened for one ``np.take`` per lookup (``ChoiceLuts``).
+    luts: ChoiceLuts
+
+    def rank_of(self, name: str) -> int:
+        for i, p in enumerate(self.profiles):
+            if p.name == name:
+                return i
+        return -1
+
+
+class ChoiceLuts(NamedTuple):
+    """A geometry's choice table flattened for one ``np.take`` per lookup: index
+    ``mask * (R + 1) + rank`` with R profiles, rank R standing for "no profile is large
+    enough". Per entry: the chosen profile's rank and start (-1: none), its memory and cores (0:
+    none), and why there is no choice (``Reason`` bits, 0 where there is one)."""
+
+    profile: npt.NDArray[np.int64]
+    start: npt.NDArray[np.int64]
+    mem: npt.NDArray[np.float64]
+    cores: npt.NDArray[np.float64]
+    why: npt.NDArray[np.int64]
+
+    @staticmethod
+    def of(
+        table: ChoiceTable, memory: npt.NDArray[np.int64], cores: npt.NDArray[np.int64]
+    ) -> ChoiceLuts:
+        n_masks, n_ranks = table.profile.shape
+        prof = np.full((n_masks, n_ranks + 1), -1, np.int64)
+        prof[:, :n_ranks] = table.profile
+        start = np.full((n_masks, n_ranks + 1), -1, np.int64)
+        start[:, :n_ranks] = table.start
+        got = prof >= 0
+        start = np.where(got, start, -1)
+        pmem = np.where(got, memory[np.maximum(prof, 0)], 0).astype(np.float64)
+        pcore = np.where(got, cores[np.maximum(prof, 0)], 0).astype(np.float64)
+        why = np.full((n_masks, n_ranks + 1), int(Reason.MIG_NO_PROFILE), np.int64)
+        why[:, :n_ranks] = np.where(
+            table.fragmented, int(Reason.MIG_FRAGMENTATION), int(Reason.MIG_CAPACITY)
+        )
+        why[got] = 0
+        luts = ChoiceLuts(prof.ravel(), start.ravel(), pmem.ravel(), pcore.ravel(), why.ravel())
+        for a in luts:
+            a.setflags(write=False)
+        return luts
+
+
+class Scratch:
+    """Work arrays that decisions reuse instead of allocating (numpy temporaries of a 40k-GPU
+    table are large enough that glibc hands their pages back and faults them in again on
+    every call). Owned by a layout's tables, so they live until the layout changes. Never
+    hand these arrays out in a result: the next decision overwrites them.
+
+    One user at a time: ``acquire`` fails (without waiting) while another decision holds it,
+    and that one then works with a fresh ``Scratch`` of its own."""
+
+    __slots__ = ("_arrays", "_lock", "memo")
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[str, tuple[int, ...], Any], npt.NDArray[Any]] = {}
+        self._lock = threading.Lock()
+        # Values derived from the (immutable) table and a request, e.g. per-profile ranks.
+        self.memo: dict[Any, Any] = {}
+
+    def acquire(self) -> bool:
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+        """The work array ``name`` of this shape and dtype (contents undefined)."""
+        key = (name, shape, dtype)
+        a = self._arrays.get(key)
+        if a is None:
+            a = self._arrays[key] = np.empty(shape, dtype)
+        return a
+
+
+class ChangeWatcher(Protocol):
+    def state_changing(self) -> None: ...
+
+
+@dataclass
+class NodeEntry:
+    name: str
+    idx: int
+    start: int  # first GPU row
+    devices: tuple[GpuDevice, ...]
+    rows: dict[str, int]  # GPU UUID -> row
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    register_value: str | None = None
+
+
+@dataclass
+class _Record:
+    alloc: PodAllocation
+    assumed: bool
+    applied: bool = False
+
+
+def _zeros(n: int, dtype: type[Any] = np.float64) -> npt.NDArray[Any]:
+    return np.zeros(n, dtype=dtype)
+
+
+def _placement_sizes(profiles: tuple[MigProfile, ...]) -> npt.NDArray[np.int64]:
+    sizes = np.zeros((len(profiles), MAX_SLICES), np.int64)
+    for rank, p in enumerate(profiles):
+        for pl in p.placements:
+            sizes[rank, pl.start] = pl.size
+    return sizes
+
+
+# Per-node columns (by node idx): allocatable and requested CPU/memory, and the sums over the
+# node's GPUs of capacity and usage that the node score needs (kept with every pod change, so a
+# decision reads them instead of summing 40k GPU rows).
+_NODE_COLUMNS = (
+    "node_cpu_alloc",
+    "node_mem_alloc",
+    "node_cpu_req",
+    "node_mem_req",
+    "node_slots",
+    "node_mem",
+    "node_cores",
+    "node_used_slots",
+    "node_used_mem",
+    "node_used_cores",
+)
+
+
+@dataclass
+class GpuArrays:
+    """Per-GPU columns. Rows not owned by a node have ``node == -1``."""
+
+    node: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    slots: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    mem: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    cores: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    used_slots: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    used_mem: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    used_cores: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
+    healthy: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    is_mig: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    mig_mask: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    conflict: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    geom: npt.NDArray[np.int16] = field(default_factory=lambda: np.zeros(0, np.int16))
+    type_id: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    slice_use: npt.NDArray[np.int16] = field(
+        default_factory=lambda: np.zeros((0, MAX_SLICES), np.int16)
+    )
+
+    def grow(self, n: int) -> None:
+        for name in _GPU_COLUMNS:
+            arr = getattr(self, name)
+            extra_shape = (n, *arr.shape[1:])
+            fill = -1 if name in ("node", "geom") else 0
+            setattr(self, name, np.concatenate([arr, np.full(extra_shape, fill, arr.dtype)]))
+
+    def __len__(self) -> int:
+        return len(self.node)
+
+
+_GPU_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(GpuArrays))
+
+
+class ClusterState:
+    """Nodes, GPUs and the pods that hold them. Single-threaded; callers serialize."""
+
+    def __init__(self, config: DeviceConfig) -> None:
+        self.config = config
+        self.gpus = GpuArrays()
+        self.nodes: dict[str, NodeEntry] = {}
+        self.node_names: list[str] = []  # by node idx; "" for a free idx
+        self._free_idx: list[int] = []
+        self._used_rows = 0  # rows handed out (including dead ones)
+        self._live_rows = 0
+        self.types: list[str] = []
+        self._type_ids: dict[str, int] = {}
+        self.geometries: list[Geometry] = []
+        self._geom_ids: dict[tuple[str, tuple[MigProfile, ...]], int] = {}
+        self._records: dict[str, _Record] = {}
+        self._by_node: dict[str, set[str]] = {}
+        self.layout_version = 0  # bumped whenever rows or node indices change
+        self._layout: Layout | None = None
+        # Decisions that still read the live GPU columns (lazy reasons): told before any change.
+        self._watchers: weakref.WeakSet[ChangeWatcher] = weakref.WeakSet()
+        # Rows whose usage changed, oldest first, for copies of some rows kept between
+        # decisions (see ``usage_changes_since``); _usage_log[0] is change ``_usage_log_start``.
+        self._usage_log: list[int] = []
+        self._usage_log_start = 0
+        # Per-node columns (by node idx), see _NODE_COLUMNS.
+        self.node_cpu_alloc: npt.NDArray[np.float64] = _zeros(0)
+        self.node_mem_alloc: npt.NDArray[np.float64] = _zeros(0)
+        self.node_cpu_req: npt.NDArray[np.float64] = _zeros(0)
+        self.node_mem_req: npt.NDArray[np.float64] = _zeros(0)
+        self.node_slots: npt.NDArray[np.float64] = _zeros(0)
+        self.node_mem: npt.NDArray[np.float64] = _zeros(0)
+        self.node_cores: npt.NDArray[np.float64] = _zeros(0)
+        self.node_used_slots: npt.NDArray[np.float64] = _zeros(0)
+        self.node_used_mem: npt.NDArray[np.float64] = _zeros(0)
+        self.node_used_cores: npt.NDArray[np.float64] = _zeros(0)
+
+    # ----- change notification -----------------------------------------------------------
+
+    def watch(self, watcher: ChangeWatcher) -> None:
+        """Call ``watcher.state_changing()`` once, before the next change of the GPU columns."""
+        self._watchers.add(watcher)
+
+    @property
+    def usage_clock(self) -> int:
+        """How many usage changes of GPU rows there have been (see ``usage_changes_since``)."""
+        return self._usage_log_start + len(self._usage_log)
+
+    def usage_changes_since(self, clock: int) -> list[int] | None:
+        """The GPU rows whose usage columns (``used_*``, ``mig_mask``, ``conflict``) changed by
+        pods since ``usage_clock`` was ``clock``, repeats included; None when that is too long
+        ago to tell. Changes of rows themselves (nodes) bump ``layout_version`` instead."""
+        if clock < self._usage_log_start:
+            return None
+        return self._usage_log[clock - self._usage_log_start :]
+
+    def _changing(self) -> None:
+        if len(self._watchers):
+            watchers = list(self._watchers)
+            self._watchers.clear()
+            for w in watchers:
+                w.state_changing()
+
+    # ----- nodes -------------------------------------------------------------------------
+
+    def upsert_node(
+        self,
+        name: str,
+        devices: tuple[GpuDevice, ...],
+        *,
+        cpu_milli: int = 0,
+        memory_bytes: int = 0,
+    ) -> None:
+        entry = self.nodes.get(name)
+        if entry is not None and entry.devices == devices:
+            entry.cpu_milli, entry.memory_bytes = cpu_milli, memory_bytes
+            self.node_cpu_alloc[entry.idx] = cpu_milli
+            self.node_mem_alloc[entry.idx] = memory_bytes
+            return
+        self._changing()
+        if entry is not None:
+            self._unapply_node_pods(name)
+            self._release_rows(entry)
+            idx = entry.idx
+        else:
+            idx = self._alloc_node_idx(name)
+        start = self._alloc_rows(len(devices))
+        entry = NodeEntry(name, idx, start, devices, {}, cpu_milli, memory_bytes)
+        g = self.gpus
+        for i, d in enumerate(devices):
+            r = start + i
+            entry.rows[d.id] = r
+            g.node[r] = idx
+            g.slots[r] = d.count
+            g.mem[r] = d.devmem
+            g.cores[r] = d.devcore
+            g.used_slots[r] = g.used_mem[r] = g.used_cores[r] = 0
+            g.healthy[r] = d.health
+            g.is_mig[r] = d.mode == "mig"
+            g.mig_mask[r] = 0
+            g.conflict[r] = 0
+            g.slice_use[r] = 0
+            g.type_id[r] = self._type_id(d.type)
+            g.geom[r] = self._geometry_id(d) if d.mode == "mig" else -1
+        self._live_rows += len(devices)
+        self.nodes[name] = entry
+        self.node_cpu_alloc[idx] = cpu_milli
+        self.node_mem_alloc[idx] = memory_bytes
+        self.node_slots[idx] = sum(d.count for d in devices)
+        self.node_mem[idx] = sum(d.devmem for d in devices)
+        self.node_cores[idx] = sum(d.devcore for d in devices)
+        self.node_used_slots[idx] = self.node_used_mem[idx] = self.node_used_cores[idx] = 0
+        self.layout_version += 1
+        self._apply_node_pods(name)
+
+    def remove_node(self, name: str) -> None:
+        entry = self.nodes.pop(name, None)
+        if entry is None:
+            return
+        self._changing()
+        self._unapply_node_pods(name, entry)
+        self._release_rows(entry)
+        self.node_names[entry.idx] = ""
+        self._free_idx.append(entry.idx)
+        for attr in _NODE_COLUMNS:
+            getattr(self, attr)[entry.idx] = 0
+        self.layout_version += 1
+
+    def _alloc_node_idx(self, name: str) -> int:
+        if self._free_idx:
+            idx = self._free_idx.pop()
+            self.node_names[idx] = name
+            return idx
+        self.node_names.append(name)
+        idx = len(self.node_names) - 1
+        if idx >= len(self.node_cpu_alloc):
+            n = max(64, len(self.node_cpu_alloc))
+            for attr in _NODE_COLUMNS:
+                setattr(self, attr, np.concatenate([getattr(self, attr), _zeros(n)]))
+        return idx
+
+    def _alloc_rows(self, n: int) -> int:
+        if self._used_rows + n > len(self.gpus):
+            if self._live_rows + n <= len(self.gpus) // 2:
+                self._compact()
+            if self._used_rows + n > len(self.gpus):
+                self.gpus.grow(max(n, len(self.gpus), 256))
+        start = self._used_rows
+        self._used_rows += n
+        return start
+
+    def _release_rows(self, entry: NodeEntry) -> None:
+        n = len(entry.devices)
+        self.gpus.node[entry.start : entry.start + n] = -1
+        self._live_rows -= n
+
+    def _compact(self) -> None:
+        """Move live node blocks together; dead rows come from nodes that re-registered."""
+        g = self.gpus
+        order = sorted(self.nodes.values(), key=lambda e: e.start)
+        pos = 0
+        for e in order:
+            n = len(e.devices)
+            if e.start != pos:
+                for name in _GPU_COLUMNS:
+                    arr = getattr(g, name)
+                    arr[pos : pos + n] = arr[e.start : e.start + n].copy()
+                e.rows = {uuid: pos + (r - e.start) for uuid, r in e.rows.items()}
+                e.start = pos
+            pos += n
+        g.node[pos:] = -1
+        self._used_rows = pos
+        self.layout_version += 1
+
+    def _type_id(self, gpu_type: str) -> int:
+        tid = self._type_ids.get(gpu_type)
+        if tid is None:
+            tid = len(self.types)
+            self.types.append(gpu_type)
+            self._type_ids[gpu_type] = tid
+        return tid
+
+    def _geometry_id(self, d: GpuDevice) -> int:
+        allowed = set(self.config.allowed_profiles(d.type))
+        profiles = sort_profiles([p for p in d.mig_profiles if p.name in allowed])
+        if not profiles:
+            return -1
+        key = (d.type, profiles)
+        gid = self._geom_ids.get(key)
+        if gid is None:
+            table = build_choice_table(profiles, self.config.mig_placement_policy)
+            gid = len(self.geometries)
+            memory = np.array([p.memory_mb for p in table.profiles], np.int64)
+            cores = np.array([p.core for p in table.profiles], np.int64)
+            self.geometries.append(
+                Geometry(
+                    profiles=table.profiles,
+                    table=table,
+                    memory=memory,
+                    cores=cores,
+                    slices=table.total_slices,
+                    sizes=_placement_sizes(table.profiles),
+                    luts=ChoiceLuts.of(table, memory, cores),
+                )
+            )
+            self._geom_ids[key] = gid
+        return gid
+
+    # ----- pods --------------------------------------------------------------------------
+
+    def upsert_pod(self, alloc: PodAllocation | None, key: str) -> None:
+        """Record what a pod holds (None: it holds nothing, e.g. it ended)."""
+        self._drop(key)
+        if alloc is not None:
+            self._add(key, alloc, assumed=False)
+
+    def remove_pod(self, key: str) -> None:
+        self._drop(key)
+
+    def assume(self, alloc: PodAllocation) -> None:
+        """Count a reservation now, before the pod's annotations are visible."""
+        self._drop(alloc.key)
+        self._add(alloc.key, alloc, assumed=True)
+
+    def forget(self, key: str) -> bool:
+        """Drop an assumed reservation (idempotent); a confirmed one is kept."""
+        rec = self._records.get(key)
+        if rec is None or not rec.assumed:
+            return False
+        self._drop(key)
+        return True
+
+    def is_assumed(self, key: str) -> bool:
+        rec = self._records.get(key)
+        return rec is not None and rec.assumed
+
+    def allocation(self, key: str) -> PodAllocation | None:
+        rec = self._records.get(key)
+        return rec.alloc if rec else None
+
+    def allocations(self) -> Iterator[PodAllocation]:
+        return (r.alloc for r in self._records.values())
+
+    def _add(self, key: str, alloc: PodAllocation, *, assumed: bool) -> None:
+        rec = _Record(alloc, assumed)
+        self._records[key] = rec
+        self._by_node.setdefault(alloc.node, set()).add(key)
+        entry = self.nodes.get(alloc.node)
+        if entry is not None:
+            self._apply(entry, rec, +1)
+
+    def _drop(self, key: str) -> None:
+        rec = self._records.pop(key, None)
+        if rec is None:
+            return
+        keys = self._by_node.get(rec.alloc.node)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_node[rec.alloc.node]
+        entry = self.nodes.get(rec.alloc.node)
+        if entry is not None and rec.applied:
+            self._apply(entry, rec, -1)
+
+    def _apply_node_pods(self, name: str) -> None:
+        entry = self.nodes[name]
+        for key in sorted(self._by_node.get(name, ())):
+            rec = self._records[key]
+            if not rec.applied:
+                self._apply(entry, rec, +1)
+
+    def _unapply_node_pods(self, name: str, entry: NodeEntry | None = None) -> None:
+        entry = entry or self.nodes[name]
+        for key in self._by_node.get(name, ()):
+            rec = self._records[key]
+            if rec.applied:
+                self._apply(entry, rec, -1)
+
+    def _apply(self, entry: NodeEntry, rec: _Record, sign: int) -> None:
+        self._changing()
+        g = self.gpus
+        alloc = rec.alloc
+        idx = entry.idx
+        self.node_cpu_req[idx] += sign * alloc.cpu_milli
+        self.node_mem_req[idx] += sign * alloc.memory_bytes
+        slots = mem_sum = cores_sum = 0
+        for d in alloc.devices:
+            r = entry.rows.get(d.uuid)
+            if r is None:
+                continue  # a GPU the node no longer registers: nothing there to count
+            g.used_slots[r] += sign
+            g.used_mem[r] += sign * d.mem
+            g.used_cores[r] += sign * d.cores
+            slots, mem_sum, cores_sum = slots + 1, mem_sum + d.mem, cores_sum + d.cores
+            self._usage_log.append(r)
+        for m in alloc.mig:
+            r = entry.rows.get(m.gpu_uuid)
+            if r is None:
+                continue
+            mem, cores = self._mig_usage(r, m.profile, m.placement)
+            g.used_slots[r] += sign
+            g.used_mem[r] += sign * mem
+            g.used_cores[r] += sign * cores
+            slots, mem_sum, cores_sum = slots + 1, mem_sum + mem, cores_sum + cores
+            end = min(m.placement.end, MAX_SLICES)
+            g.slice_use[r, m.placement.start : end] += sign
+            use = g.slice_use[r]
+            g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), 1 << np.arange(MAX_SLICES)))
+            g.conflict[r] = int(np.count_nonzero(use > 1))
+            self._usage_log.append(r)
+        if len(self._usage_log) > _USAGE_LOG_MAX:  # copies that old refresh in full
+            self._usage_log_start += len(self._usage_log)
+            self._usage_log.clear()
+        self.node_used_slots[idx] += sign * slots
+        self.node_used_mem[idx] += sign * mem_sum
+        self.node_used_cores[idx] += sign * cores_sum
+        rec.applied = sign > 0
+
+    def _mig_usage(self, row: int, profile: str, placement: Placement) -> tuple[int, int]:
+        gid = int(self.gpus.geom[row])
+        if gid >= 0:
+            geom = self.geometries[gid]
+            rank = geom.rank_of(profile)
+            if rank >= 0:
+                return int(geom.memory[rank]), int(geom.cores[rank])
+            slices = geom.slices
+        else:
+            slices = 8
+        # A profile the node no longer offers: count its share of the card.
+        frac = placement.size / max(slices, 1)
+        return int(self.gpus.mem[row] * frac), int(self.gpus.cores[row] * frac)
+
+    # ----- views -------------------------------------------------------------------------
+
+    def layout(self) -> Layout:
+        """Segments of rows per node, rebuilt only when rows or nodes changed."""
+        if self._layout is None or self._layout.version != self.layout_version:
+            self._layout = Layout.of(self)
+        return self._layout
+
+    def node_rows(self, name: str) -> range:
+        e = self.nodes[name]
+        return range(e.start, e.start + len(e.devices))
+
+    def live_node_indices(self) -> npt.NDArray[np.int64]:
+        return np.array(sorted(e.idx for e in self.nodes.values()), np.int64)
+
+    def usage_snapshot(self) -> dict[str, Any]:
+        """Per-GPU usage keyed by node/uuid, for comparing two states in tests and checks."""
+        out: dict[str, Any] = {}
+        g = self.gpus
+        for name, e in sorted(self.nodes.items()):
+            for uuid, r in sorted(e.rows.items()):
+                out[f"{name}/{uuid}"] = (
+                    float(g.used_slots[r]),
+                    float(g.used_mem[r]),
+                    float(g.used_cores[r]),
+                    int(g.mig_mask[r]),
+                    int(g.conflict[r]),
+                )
+            out[f"{name}/cpu-mem"] = (
+                float(self.node_cpu_req[e.idx]),
+                float(self.node_mem_req[e.idx]),
+            )
+            out[f"{name}/gpu-sums"] = tuple(
+                float(getattr(self, col)[e.idx])
+                for col in (
+                    "node_used_slots",
+                    "node_used_mem",
+                    "node_used_cores",
+                    "node_slots",
+                    "node_mem",
+                    "node_cores",
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class PathTable:
+    """One placement path's GPUs (hami-core, or MIG with a geometry) as a dense per-node table.
+
+    Row ``i`` is segment ``nodes[i]``; column ``j`` its j-th GPU; entries that are not a
+    healthy live GPU of the path (padding, other mode, unhealthy) have ``ok`` False and
+    capacities of 1 (never fit, always finite). Per-node reductions are axis-1 operations.
+    """
+
+    nodes: npt.NDArray[np.int64]  # [P] segment of each table row
+    idx: npt.NDArray[np.int64]  # [P, W] GPU row (0 where not ok)
+    ok: npt.NDArray[np.bool_]  # [P, W] healthy live GPU of this path
+    pos: npt.NDArray[np.int64]  # [n_rows] flat position in the table, -1 where not ok
+    slots: npt.NDArray[np.float64]  # [P, W] capacities
+    mem: npt.NDArray[np.float64]
+    cores: npt.NDArray[np.float64]
+    type_id: npt.NDArray[np.int32]  # [P, W]
+    geoms: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry, flat positions); MIG only
+    min_cores: float  # fewest cores of an ok GPU (inf if none)
+    # MIG: the geometries' choice tables (``Geometry.luts``) concatenated after one "nothing
+    # fits" entry; a position's answer is at ``lut_off + (mask & lut_full) * lut_stride + rank``
+    # (positions without a geometry: offset 0, stride 0, full 0, so rank 0 reads the sentinel).
+    lut_off: npt.NDArray[np.int64] | None = None  # [P * W]
+    lut_stride: npt.NDArray[np.int64] | None = None
+    lut_full: npt.NDArray[np.int64] | None = None
+    lut: ChoiceLuts | None = None
+    # Work arrays of decisions over this table (see ``Scratch``); not part of the table's value.
+    scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
+
+    @staticmethod
+    def of(
+        state: ClusterState,
+        n_rows: int,
+        gpu_rows_t: npt.NDArray[np.int64],
+        in_seg: npt.NDArray[np.bool_],
+        rows_ok: npt.NDArray[np.bool_],
+        geoms: bool,
+    ) -> PathTable:
+        g = state.gpus
+        ok_all = in_seg & rows_ok[gpu_rows_t] if n_rows else in_seg
+        nodes = np.flatnonzero(ok_all.any(axis=1))
+        ok = np.ascontiguousarray(ok_all[nodes])
+        idx = np.where(ok, gpu_rows_t[nodes], 0)
+        pos = np.full(n_rows, -1, np.int64)
+        pos[idx[ok]] = np.flatnonzero(ok)
+        one = np.float64(1)
+        cores = np.where(ok, g.cores[idx], one)
+        geom_pos: tuple[tuple[int, npt.NDArray[np.int64]], ...] = ()
+        if geoms and ok.size:
+            gflat = np.where(ok, g.geom[idx], -1).ravel()
+            geom_pos = tuple(
+                (int(gid), np.flatnonzero(gflat == gid)) for gid in np.unique(gflat[gflat >= 0])
+            )
+        luts: dict[str, Any] = {}
+        if geoms:
+            size = ok.size
+            off = np.zeros(size, np.int64)
+            stride = np.zeros(size, np.int64)
+            full = np.zeros(size, np.int64)
+            parts: list[list[npt.NDArray[Any]]] = [
+                [np.array([-1], np.int64)],
+                [np.array([-1], np.int64)],
+                [np.zeros(1)],
+                [np.zeros(1)],
+                [np.zeros(1, np.int64)],
+            ]
+            base = 1
+            for gid, gp in geom_pos:
+                geom = state.geometries[gid]
+                off[gp] = base
+                stride[gp] = len(geom.profiles) + 1
+                full[gp] = geom.table.full_mask
+                for part, arr in zip(parts, geom.luts, strict=True):
+                    part.append(arr)
+                base += geom.luts.profile.size
+            luts = dict(
+                lut_off=off,
+                lut_stride=stride,
+                lut_full=full,
+                lut=ChoiceLuts(*(np.concatenate(part) for part in parts)),
+            )
+        return PathTable(
+            nodes=nodes,
+            idx=idx,
+            ok=ok,
+            pos=pos,
+            slots=np.where(ok, g.slots[idx], one),
+            mem=np.where(ok, g.mem[idx], one),
+            cores=cores,
+            type_id=np.where(ok, g.type_id[idx], 0).astype(np.int32),
+            geoms=geom_pos,
+            min_cores=float(cores[ok].min()) if ok.any() else float("inf"),
+            **luts,
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Nodes with GPUs as segments of consecutive rows, in row order.
+
+    Segment i covers rows ``[starts[i], starts[i+1])``; rows in it that no node owns
+    (``node == -1``) must be masked out by callers. ``gpu_rows`` lists each segment's live rows
+    as a column of a [GPUs per node, segments] table, for per-node reductions along axis 0
+    (much faster than ``reduceat`` over thousands of short segments).
+    """
+
+    version: int
+    n_rows: int
+    starts: npt.NDArray[np.int64]
+    node_idx: npt.NDArray[np.int64]
+    names: tuple[str, ...]
+    seg_of_row: npt.NDArray[np.int64]  # -1 for dead rows
+    gpu_less: tuple[str, ...]  # nodes that register no GPU
+    geom_rows: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry id, live MIG rows)
+    seg_index: Mapping[str, int]  # node name -> segment
+    gpu_rows: npt.NDArray[np.int64]  # [W, S] row of the segment's j-th GPU; 0 where none
+    gpu_rows_ok: npt.NDArray[np.bool_] | None  # [W, S] where gpu_rows is a GPU; None: all are
+    gpu_count: npt.NDArray[np.int64]  # [S] GPUs per segment
+    name_rank: npt.NDArray[np.int64]  # [S] position of the name in sorted order
+    core: PathTable | None = None  # healthy live hami-core GPUs
+    mig: PathTable | None = None  # healthy live MIG GPUs with a geometry
+    # Per-segment work arrays of decisions (see ``Scratch``); its lock guards the tables' too.
+    scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
+
+    @staticmethod
+    def of(state: ClusterState) -> Layout:
+        entries = sorted((e for e in state.nodes.values() if e.devices), key=lambda e: e.start)
+        n_rows = state._used_rows
+        g = state.gpus
+        seg_of_row = np.full(n_rows, -1, np.int64)
+        for i, e in enumerate(entries):
+            seg_of_row[e.start : e.start + len(e.devices)] = i
+        live = g.node[:n_rows] >= 0
+        geom = g.geom[:n_rows]
+        mig_live = live & g.is_mig[:n_rows] & (geom >= 0)
+        geom_rows = tuple(
+            (int(gid), np.flatnonzero(mig_live & (geom == gid)))
+            for gid in np.unique(geom[mig_live])
+        )
+        counts = np.array([len(e.devices) for e in entries], np.int64)
+        width = int(counts.max()) if len(entries) else 0
+        j = np.arange(width, dtype=np.int64)[:, None]
+        ok = j < counts[None, :]
+        gpu_rows = np.where(ok, np.array([e.start for e in entries], np.int64)[None, :] + j, 0)
+        rows_t = np.ascontiguousarray(gpu_rows.T)
+        ok_t = np.ascontiguousarray(ok.T)
+        healthy = live & g.healthy[:n_rows]
+        is_mig = g.is_mig[:n_rows]
+        core = PathTable.of(state, n_rows, rows_t, ok_t, healthy & ~is_mig, geoms=False)
+        mig = PathTable.of(state, n_rows, rows_t, ok_t, healthy & mig_live, geoms=True)
+        names = tuple(e.name for e in entries)
+        name_rank = np.empty(len(names), np.int64)
+        name_rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+        return Layout(
+            version=state.layout_version,
+            n_rows=n_rows,
+            starts=np.array([e.start for e in entries], np.int64),
+            node_idx=np.array([e.idx for e in entries], np.int64),
+            names=names,
+            seg_of_row=seg_of_row,
+            gpu_less=tuple(sorted(e.name for e in state.nodes.values() if not e.devices)),
+            geom_rows=geom_rows,
+            seg_index={e.name: i for i, e in enumerate(entries)},
+            gpu_rows=gpu_rows,
+            gpu_rows_ok=None if ok.all() else ok,
+            gpu_count=counts,
+            name_rank=name_rank,
+            core=core,
+            mig=mig,
+        )
+
+
+def build_state(
+    config: DeviceConfig,
+    nodes: Iterable[tuple[str, tuple[GpuDevice, ...], int, int]],
+    pods: Mapping[str, PodAllocation],
+) -> ClusterState:
+    """A state built from scratch (what a restart does); equals the incremental one."""
+    state = ClusterState(config)
+    for name, devices, cpu, mem in nodes:
+        state.upsert_node(name, devices, cpu_milli=cpu, memory_bytes=mem)
+    for key, alloc in pods.items():
+        state.upsert_pod(alloc, key)
+    return state

@@ -1,0 +1,142 @@
+"""Measurements taken at named marks of a phase: CPU time and peak RSS of every process
+(/proc), the plugin server's latency histograms (its /metrics) and the apiserver's request
+counters (``apiserver_request_total``)."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import structlog
+
+from api.errors import TesseraError
+from api.kube.client import KubeClient
+from scheduler_plugins.devtools.bench import procstat, promtext
+
+log = structlog.get_logger(__name__)
+
+API_REQUESTS: Final = "apiserver_request_total"
+API_REQUEST_LABELS: Final = ("verb", "resource", "subresource")
+
+Json = dict[str, Any]
+
+
+@dataclass
+class Sampler:
+    """At named marks: CPU/RSS of processes, the plugin server's histograms and the
+    apiserver's request counters."""
+
+    pids: Callable[[], dict[str, int]]  # looked up at every mark: processes get restarted
+    metrics_url: str | None
+    api: KubeClient | None = None
+    marks: dict[str, dict[str, procstat.ProcSample]] = field(default_factory=dict)
+    scrapes: dict[str, list[promtext.Histogram]] = field(default_factory=dict)
+    requests: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
+    metrics_error: str | None = None
+
+    def mark(self, name: str, *, procs: bool = True, scrapes: bool = True) -> None:
+        """Record mark ``name``: the processes' CPU/RSS (``procs``) and the plugin server's
+        histograms and apiserver counters (``scrapes``), each part alone when asked, so a
+        phase can scrape before it starts a process and sample the process after."""
+        if procs:
+            self.marks[name] = {
+                c: s for c, pid in self.pids().items() if (s := procstat.sample(pid)) is not None
+            }
+        if scrapes:
+            self._scrape(name)
+
+    def _scrape(self, name: str) -> None:
+        if self.metrics_url is not None:
+            try:
+                self.scrapes[name] = promtext.histograms(
+                    promtext.parse(_http_text(self.metrics_url))
+                )
+            except (OSError, TesseraError) as e:
+                self.metrics_error = f"{self.metrics_url}: {e}"
+        if self.api is not None:
+            for attempt in (1, 2):  # probe() does not retry a keep-alive the server closed
+                try:
+                    status, text = self.api.probe("/metrics")
+                except TesseraError as e:
+                    if attempt == 2:
+                        log.warning("bench.apiserver_metrics_failed", error=str(e))
+                    continue
+                if status == 200:
+                    self.requests[name] = promtext.counter_totals(
+                        promtext.parse(text), API_REQUESTS, API_REQUEST_LABELS
+                    )
+                break
+
+    def requests_json(self, a: str, b: str, per: int) -> list[Json]:
+        """Apiserver requests between two marks by verb and resource, most first."""
+        if a not in self.requests or b not in self.requests:
+            return []
+        before, after = self.requests[a], self.requests[b]
+        rows = []
+        for labels, total in after.items():
+            n = total - before.get(labels, 0.0)
+            if n >= 1:
+                row: Json = dict(labels)
+                row["count"] = int(n)
+                row["per_pod"] = round(n / per, 2) if per else None
+                rows.append(row)
+        return sorted(rows, key=lambda r: -int(r["count"]))
+
+    def cpu_between(self, a: str, b: str) -> dict[str, float]:
+        """CPU seconds each process used between two marks (the same process at both)."""
+        later = self.marks.get(b, {})
+        return {
+            c: round(later[c].cpu_s - s.cpu_s, 2)
+            for c, s in self.marks.get(a, {}).items()
+            if c in later and later[c].pid == s.pid
+        }
+
+    def components_json(self, first: str, last: str, main: tuple[str, str] | None) -> Json:
+        """Each process at ``last``: CPU since ``first`` (or since the first mark it was
+        seen at, when it was restarted in between), in ``main``, and its peak RSS."""
+        out: Json = {}
+        cpu_main = self.cpu_between(*main) if main else {}
+        names = list(self.marks)
+        since = names[names.index(first) :] if first in names else names
+        for c, s in self.marks.get(last, {}).items():
+            start = next((m for m in since if (p := self.marks[m].get(c)) and p.pid == s.pid), last)
+            out[c] = {
+                "pid": s.pid,
+                "cpu_s": self.cpu_between(start, last).get(c),
+                "cpu_since": start,
+                "cpu_s_main": cpu_main.get(c),
+                "rss_mib": round(s.rss_kib / 1024, 1),
+                "peak_rss_mib": round(s.hwm_kib / 1024, 1),
+                "threads": s.threads,
+            }
+        return out
+
+    def histograms_json(self, a: str, b: str) -> list[Json]:
+        if a not in self.scrapes or b not in self.scrapes:
+            return []
+        out: list[Json] = []
+        for h in self.scrapes[b]:
+            d = h.minus(promtext.find(self.scrapes[a], h.name, h.labels))
+            if d.count <= 0:
+                continue
+            scale = 1000.0 if h.name.endswith("_seconds") else 1.0
+            qs = {f"p{int(q * 100)}": d.quantile(q) for q in (0.5, 0.9, 0.99)}
+            mean = d.mean()
+            out.append(
+                {
+                    "name": h.name,
+                    "labels": dict(h.labels),
+                    "count": int(d.count),
+                    "unit": "ms" if scale != 1.0 else "",
+                    "mean": round(mean * scale, 3) if mean is not None else None,
+                    **{k: (round(v * scale, 3) if v is not None else None) for k, v in qs.items()},
+                }
+            )
+        return out
+
+
+def _http_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # loopback only
+        return str(resp.read().decode())
