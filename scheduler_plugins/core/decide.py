@@ -106,8 +106,7 @@ class Decision:
         layout: Layout,
         feasible: B,
         score: F64,
-        desirability: F64,
-        kube: I64,
+        preference: ranking.Preference,
         state: ClusterState,
         masks: _Masks,
         reasons: I64 | None = None,
@@ -117,8 +116,7 @@ class Decision:
         self.layout = layout
         self.feasible = feasible  # [S]
         self.score = score  # [S] node usage score before this pod
-        self.desirability = desirability  # [S] higher is better (score signed by node policy)
-        self.kube = kube  # [S] Tessera's 0..100 score for kube-scheduler (``ranking``)
+        self.preference = preference  # how this pod ranks nodes (``ranking``)
         self._state = state
         self._masks = masks
         self._reasons = reasons
@@ -142,6 +140,11 @@ class Decision:
                 self._view = None
         return self._reasons
 
+    @property
+    def desirability(self) -> F64:
+        """[S] Higher is better: the node score signed by the pod's node policy."""
+        return self.preference.desirability(self.score)
+
     def state_changing(self) -> None:
         """The state is about to change: keep the columns the lazy results need."""
         if self._view is not None:
@@ -154,7 +157,7 @@ class Decision:
 
     def best_node(self) -> str | None:
         """The best feasible node by ``ranking`` (without PreBind waits); None if none fits."""
-        s = ranking.best(self.feasible, self.kube, self.desirability, self.layout.name_rank)
+        s = ranking.best(self.feasible, self.score, self.preference, self.layout.name_rank)
         return None if s < 0 else str(self.layout.names[s])
 
     def node_index(self, node: str) -> int:
@@ -341,21 +344,22 @@ class _Masks:
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
     n = layout.n_rows
     S = len(layout.names)
+    preference = ranking.Preference(
+        request.node_policy, rules.node_score_max(state.config.node_score_cpu_memory)
+    )
     uuid_ok = (
         _uuid_mask(state, layout, request, owned)
         if request.use_uuids or request.nouse_uuids
         else None
     )
     if S == 0:  # no node registers a GPU
-        empty = np.zeros(0)
         masks = _Masks(None, uuid_ok, False)
         return Decision(
             request,
             layout,
             np.zeros(0, np.bool_),
-            empty,
-            empty,
-            np.zeros(0, np.int64),
+            np.zeros(0),
+            preference,
             state,
             masks,
             reasons=np.zeros(0, np.int64),
@@ -369,16 +373,13 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
         )
     masks = _Masks(ok_types, uuid_ok, bool(state.gpus.conflict[:n].any()))
     score = _node_scores(state, layout)
-    desirability = score * request.node_policy.sign
-    kube = ranking.kube_scores(score, request.node_policy, _score_max(state))
-    feasible, evaluated = _feasible(state, layout, request, masks, owned, kube, desirability)
+    feasible, evaluated = _feasible(state, layout, request, masks, owned, score, preference)
     return Decision(
         request=request,
         layout=layout,
         feasible=feasible,
         score=score,
-        desirability=desirability,
-        kube=kube,
+        preference=preference,
         state=state,
         masks=masks,
         evaluated=evaluated,
@@ -404,8 +405,8 @@ def _feasible(
     request: PodRequest,
     masks: _Masks,
     owned: bool,
-    kube: I64,
-    desirability: F64,
+    score: F64,
+    preference: ranking.Preference,
 ) -> tuple[B, _Evaluated | None]:
     """Every node's verdict, and the plans of the nodes evaluated in full for it: those the
     counts can't decide and, with them, the best node the counts find feasible (so the plan of
@@ -441,7 +442,7 @@ def _feasible(
     unsure &= ~sure
     if not unsure.any():
         return sure, None
-    best = ranking.best(sure, kube, desirability, layout.name_rank)
+    best = ranking.best(sure, score, preference, layout.name_rank)
     if best >= 0:
         unsure[best] = True
     segs = np.flatnonzero(unsure)
@@ -933,7 +934,15 @@ class _Path:
             c.cores,
             # else every card has more cores than asked: no exclusivity
             exclusive_possible=c.cores >= self.table.min_cores,
-            out=(sc.get("b0", shape, np.bool_), sc.get("f0", shape, np.float64)) if work else None,
+            out=(
+                (
+                    sc.get("b0", shape, np.bool_),
+                    sc.get("b1", shape, np.bool_),
+                    sc.get("f0", shape, np.float64),
+                )
+                if work
+                else None
+            ),
         )
         why = np.zeros(shape, np.int64) if self.why else None
         fit = rules.fold(checks, ok, fit=sc.get("fit", shape, np.bool_) if work else None, why=why)
@@ -1224,11 +1233,12 @@ def _reasons(
 ) -> I64:
     """[S] Reason bits of every node that is not feasible: the static reasons of its GPUs
     (``rules.static_reasons``), too few GPUs, and the checks that failed when those nodes are
-    evaluated alone (``_evaluate`` with ``why``: the decision's own evaluation)."""
+    evaluated alone (``_evaluate`` with ``why``: the decision's own evaluation), for the nodes
+    with a GPU the pod considers at all."""
     S = len(layout.names)
     out = np.zeros(S, np.int64)
-    segs = np.flatnonzero(~feasible)
-    if not segs.size:
+    infeasible = ~feasible
+    if not infeasible.any():
         return out
     n = layout.n_rows
     g = src.gpus
@@ -1244,14 +1254,25 @@ def _reasons(
     )
     seg_bits = np.bitwise_or.reduce(_per_gpu(rows_bits, layout, 0), axis=0)
     seg_bits |= _too_few_gpus(layout, request) * np.int64(Reason.TOO_FEW_GPUS)
-    if segs.size * 3 > S:  # most nodes: the full tables are cheaper than gathering their rows
-        why = np.zeros(S, np.int64)
-        _evaluate(src, layout, request, masks, None, False, why)
-        out[segs] = seg_bits[segs] | why[segs]
-    else:
-        why = np.zeros(segs.size, np.int64)
-        _evaluate(src, layout, request, masks, segs, False, why)
-        out[segs] = seg_bits[segs] | why
+    out[infeasible] = seg_bits[infeasible]
+    considered = _per_gpu(rows_bits == 0, layout, False).any(axis=0)
+    segs = np.flatnonzero(infeasible & considered)
+    if not segs.size:
+        return out
+    # The layout's work arrays when no decision holds them now (explanations come after).
+    owned = layout.scratch.acquire()
+    try:
+        if segs.size * 3 > S:  # most nodes: the full tables beat gathering their rows
+            why = np.zeros(S, np.int64)
+            _evaluate(src, layout, request, masks, None, owned, why)
+            out[segs] |= why[segs]
+        else:
+            why = np.zeros(segs.size, np.int64)
+            _evaluate(src, layout, request, masks, segs, owned, why)
+            out[segs] |= why
+    finally:
+        if owned:
+            layout.scratch.release()
     return out
 
 
@@ -1292,7 +1313,7 @@ def _too_few_gpus(layout: Layout, request: PodRequest) -> B:
 
 def _node_scores(state: ClusterState, layout: Layout) -> F64:
     """Each segment's node score (``rules.node_score``) from the per-node sums the state keeps
-    (one gather by node index instead of summing 40k GPU rows)."""
+    (instead of summing 40k GPU rows)."""
     if not layout.n_rows:
         return np.zeros(0)
     cpu = (
@@ -1300,7 +1321,7 @@ def _node_scores(state: ClusterState, layout: Layout) -> F64:
         if state.config.node_score_cpu_memory
         else None
     )
-    score = rules.node_score(
+    return rules.node_score(
         state.node_used_slots,
         state.node_slots,
         state.node_used_cores,
@@ -1308,12 +1329,8 @@ def _node_scores(state: ClusterState, layout: Layout) -> F64:
         state.node_used_mem,
         state.node_mem,
         cpu,
+        at=layout.node_idx,
     )
-    return score[layout.node_idx]
-
-
-def _score_max(state: ClusterState) -> float:
-    return rules.node_score_max(state.config.node_score_cpu_memory)
 
 
 def mode_of_plan(plan: PodPlan) -> GpuMode:

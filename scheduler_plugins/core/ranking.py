@@ -3,23 +3,23 @@ benchmarks share.
 
 - *Desirability*: the node score (``rules.node_score``, usage before the pod) signed by the
   pod's node policy: binpack prefers the fullest node, spread the emptiest.
-- *Tessera's score* (what kube-scheduler adds to its own plugins' scores, ``kube_scores``): the
-  same preference on an absolute 0..100 scale, binpack ``100 × score / max`` and spread
+- *Tessera's score* (what kube-scheduler adds to its own plugins' scores): the same preference
+  on an absolute 0..100 scale, binpack ``100 × score / max`` and spread
   ``100 × (1 − score / max)``, rounded. Never stretched per cycle: a node's score depends on
   that node alone, so it sums honestly with kube-scheduler's other score plugins (the profile
   weighs Tessera ``SCORE_WEIGHT``).
-- *Order*: Tessera's score, then the exact desirability (finer than the rounded score), then
-  the node name. ``best`` is the first; kube-scheduler, seeing the same scores, takes a node of
-  the same score (it breaks exact ties at random) unless its other plugins prefer another.
-- *Candidates* (``candidates``): the best nodes handed to kube-scheduler for a pod that leaves
-  the choice to Tessera (the shim's candidate limit). Nodes where the pod would wait at
-  PreBind behind a pod the node agent could not tell apart from it come after every node
-  where it would not (fewer such pods first), so a burst spreads over node agents instead of
-  queueing behind one.
+- *Order*: Tessera's score, then the desirability (finer than the rounded score), then the
+  node name. ``best`` is the first; kube-scheduler, given the same scores, takes a node of the
+  top score (exact ties at random) unless its other plugins prefer another.
+- *Candidates*: the best nodes handed to kube-scheduler for a pod that leaves the choice to
+  Tessera (the shim's candidate limit). Nodes where the pod would wait at PreBind behind a pod
+  the node agent could not tell apart from it come after every node where it would not (fewer
+  such pods first), so a burst spreads over node agents instead of queueing behind one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -40,52 +40,70 @@ kube-scheduler's own score plugins weigh 1 to 3, and a pod's preferred node affi
 topology spread gives the preferred node up to 2 × 100 more: with 5, those win between nodes
 whose Tessera scores differ by less than 40, and Tessera's preference wins beyond."""
 
-
-def kube_scores(score: F64, policy: Policy, score_max: float) -> I64:
-    """Tessera's 0..100 score of each node from its node score (0..``score_max``)."""
-    share = np.clip(score / score_max, 0.0, 1.0)
-    if policy is Policy.SPREAD:
-        share = 1.0 - share
-    return np.rint(share * MAX_SCORE).astype(np.int64)
+# Sums of the same usage in another order differ in their last bits: closer than this, two
+# desirabilities are the same and the node name decides.
+_RESOLUTION: Final = 9  # decimals
 
 
-def order(segments: I64, kube: I64, desirability: F64, name_rank: I64) -> I64:
+@dataclass(frozen=True)
+class Preference:
+    """How one pod ranks nodes: its node policy, over node scores of 0..``score_max``."""
+
+    policy: Policy
+    score_max: float
+
+    def desirability(self, score: F64) -> F64:
+        """Higher is better."""
+        return score * self.policy.sign
+
+    def kube_scores(self, score: F64) -> I64:
+        """Tessera's 0..100 score of each node."""
+        share = np.clip(score / self.score_max, 0.0, 1.0)
+        if self.policy is Policy.SPREAD:
+            share = 1.0 - share
+        return np.rint(share * MAX_SCORE).astype(np.int64)
+
+
+def order(segments: I64, score: F64, pref: Preference, name_rank: I64) -> I64:
     """``segments`` best first: by Tessera's score, the desirability, the node name."""
-    keys = (name_rank[segments], -_fine(desirability[segments]), -kube[segments])
+    s = score[segments]
+    keys = (name_rank[segments], -_fine(pref.desirability(s)), -pref.kube_scores(s))
     return segments[np.lexsort(keys)]
 
 
-def best(feasible: B, kube: I64, desirability: F64, name_rank: I64) -> int:
-    """The best feasible node (``order``'s first, without sorting); -1 if none is feasible."""
+def best(feasible: B, score: F64, pref: Preference, name_rank: I64) -> int:
+    """The best feasible node (``order``'s first, without sorting them all); -1 if none.
+
+    Tessera's score rises with the desirability, so the best node is among those of the
+    highest desirability; only ties need the full key."""
     segs = np.flatnonzero(feasible)
     if not segs.size:
         return -1
-    top = segs[kube[segs] == kube[segs].max()]
-    des = _fine(desirability[top])
-    tied = top[des == des.max()]
-    return int(tied[name_rank[tied].argmin()])
-
-
-def _fine(desirability: F64) -> F64:
-    """Desirability as the order compares it: sums of the same usage in another order differ
-    in their last bits, which must not decide between two nodes."""
-    return np.round(desirability, 9)
+    des = pref.desirability(score[segs])
+    near = segs[des >= des.max() - 2 * 10.0**-_RESOLUTION]
+    if near.size == 1:
+        return int(near[0])
+    return int(order(near, score, pref, name_rank)[0])
 
 
 def candidates(
     segments: I64,
-    kube: I64,
-    desirability: F64,
+    score: F64,
+    pref: Preference,
     name_rank: I64,
     waits: I64 | None,
     limit: int,
 ) -> I64:
     """The ``limit`` best of ``segments`` (0: all), best first; with ``waits`` (per segment,
     how many pods the pod would wait behind at PreBind), nodes without any come first."""
-    ranked = order(segments, kube, desirability, name_rank)
+    ranked = order(segments, score, pref, name_rank)
     if waits is not None and waits[ranked].any():
         ranked = ranked[np.argsort(waits[ranked], kind="stable")]
     return ranked[:limit] if limit else ranked
 
 
-__all__ = ["MAX_SCORE", "SCORE_WEIGHT", "best", "candidates", "kube_scores", "order"]
+def _fine(desirability: F64) -> F64:
+    return np.round(desirability, _RESOLUTION)
+
+
+__all__ = ["MAX_SCORE", "SCORE_WEIGHT", "Preference", "best", "candidates", "order"]

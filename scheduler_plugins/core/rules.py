@@ -162,30 +162,31 @@ def core_checks(
     req_cores: int,
     *,
     exclusive_possible: bool = True,
-    out: tuple[B, F64] | None = None,
+    out: tuple[B, B, F64] | None = None,
 ) -> Iterator[Check]:
     """The conditions for a hami-core GPU to take one device: a free vGPU slot, the memory, the
     cores, and an unused GPU when the device asks every core of it.
 
     ``exclusive_possible`` False says no GPU looked at has as few cores as the device asks
-    (the last condition then holds everywhere and is skipped). With ``out`` (a bool array and a
-    float array of the inputs' shape) each condition is written there: read it before asking
-    for the next.
+    (the last condition then holds everywhere and is skipped). With ``out`` (two bool arrays
+    and a float array of the inputs' shape) each condition is written there: read it before
+    asking for the next.
     """
-    b, f = out if out is not None else (None, None)
-    if b is None or f is None:
+    if out is None:
         yield Reason.SLOTS, used_slots < slots
         yield Reason.MEMORY, mem - used_mem >= req_mem
         yield Reason.CORES, (cores - used_cores >= req_cores) & (used_cores < cores)
         if exclusive_possible:
             yield Reason.EXCLUSIVE, (req_cores < cores) | (used_slots == 0)
         return
+    b, b2, f = out
     yield Reason.SLOTS, np.less(used_slots, slots, out=b)
     yield Reason.MEMORY, np.greater_equal(np.subtract(mem, used_mem, out=f), req_mem, out=b)
     held = np.greater_equal(np.subtract(cores, used_cores, out=f), req_cores, out=b)
-    yield Reason.CORES, np.logical_and(held, used_cores < cores, out=b)
+    yield Reason.CORES, np.logical_and(held, np.less(used_cores, cores, out=b2), out=b)
     if exclusive_possible:
-        yield Reason.EXCLUSIVE, np.logical_or(req_cores < cores, used_slots == 0, out=b)
+        unused = np.equal(used_slots, 0, out=b2)
+        yield Reason.EXCLUSIVE, np.logical_or(np.less(req_cores, cores, out=b), unused, out=b)
 
 
 def mig_checks(
@@ -211,15 +212,20 @@ def mig_checks(
 def fold(checks: Iterator[Check], ok: B, *, fit: B | None = None, why: I64 | None = None) -> B:
     """Where every check holds (among ``ok``), written into ``fit`` when given; with ``why``,
     OR each failed check's reason into it where ``ok``."""
-    if fit is None:
-        fit = ok.copy()
-    else:
-        np.copyto(fit, ok)
+    folded: B | None = None
     for reason, holds in checks:
-        fit &= holds
+        if folded is None:
+            folded = np.logical_and(ok, holds, out=fit)
+        else:
+            folded &= holds
         if why is not None:
             failed = ok & ~holds
             why |= failed * (reason if isinstance(reason, np.ndarray) else np.int64(reason))
+    if folded is not None:
+        return folded
+    if fit is None:  # nothing to check
+        return ok.copy()
+    np.copyto(fit, ok)
     return fit
 
 
@@ -276,16 +282,21 @@ def node_score(
     used_mem: F64,
     mem: F64,
     cpu: tuple[F64, F64, F64, F64] | None = None,
+    *,
+    at: I64 | None = None,
 ) -> F64:
     """The seed's node score, usage before this pod: (slots share + cores share + memory share)
     × 10 over the node's GPUs, 0..30; with ``cpu`` (requested and allocatable CPU, requested and
     allocatable memory), the node's CPU and memory shares × 10 are added (0..50). A node
-    lacking some capacity (a share of nothing) scores 0."""
+    lacking some capacity (a share of nothing) scores 0. ``at``: only these entries of the
+    inputs (computed over all of them, then taken: one gather instead of one per column)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         score = (used_slots / slots + used_cores / cores + used_mem / mem) * 10
         if cpu is not None:
             cpu_req, cpu_alloc, mem_req, mem_alloc = cpu
             score += (cpu_req / cpu_alloc + mem_req / mem_alloc) * 10
+    if at is not None:
+        score = score[at]
     if not np.isfinite(score).all():
         score = np.nan_to_num(score, nan=0.0, posinf=0.0, neginf=0.0)
     return score
