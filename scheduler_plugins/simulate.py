@@ -180,9 +180,10 @@ def simulate(cluster_path: Path, pods_path: Path, config: DeviceConfig) -> Itera
         feasible = decision.feasible_count()
         total = len(decision.layout.names) + len(decision.layout.gpu_less)
         gpu_scores = ", ".join(f"{d.gpu_score:.2f}" for c in plan.containers for d in c)
+        kube = int(decision.preference.kube_scores(decision.score[i : i + 1])[0])
         reason = (
-            f"node score {decision.score[i]:.2f} ({req.node_policy.value}), "
-            f"GPU score {gpu_scores} ({req.gpu_policy.value}), "
+            f"node score {decision.score[i]:.2f} ({req.node_policy.value}: {kube}/100 to "
+            f"kube-scheduler), GPU score {gpu_scores} ({req.gpu_policy.value}), "
             f"{feasible}/{total} nodes feasible"
         )
         state.assume(plan.allocation(req.cpu_milli, req.memory_bytes))

@@ -11,10 +11,12 @@ benchmarks share.
 - *Order*: Tessera's score, then the desirability (finer than the rounded score), then the
   node name. ``best`` is the first; kube-scheduler, given the same scores, takes a node of the
   top score (exact ties at random) unless its other plugins prefer another.
-- *Candidates*: the best nodes handed to kube-scheduler for a pod that leaves the choice to
-  Tessera (the shim's candidate limit). Nodes where the pod would wait at PreBind behind a pod
-  the node agent could not tell apart from it come after every node where it would not (fewer
-  such pods first), so a burst spreads over node agents instead of queueing behind one.
+- *Candidates*: the nodes handed to kube-scheduler. A pod that leaves the choice to Tessera
+  (the shim's candidate limit: no node selector, affinity or topology spread of its own) is
+  offered the best nodes where it would wait at PreBind behind the fewest pods its node agent
+  could not tell apart from it (none, wherever such a node fits), so a burst spreads over node
+  agents instead of queueing behind one; if kube-scheduler's other plugins reject them all,
+  the shim asks again for every feasible node. Any other pod is offered every feasible node.
 """
 
 from __future__ import annotations
@@ -94,12 +96,16 @@ def candidates(
     waits: I64 | None,
     limit: int,
 ) -> I64:
-    """The ``limit`` best of ``segments`` (0: all), best first; with ``waits`` (per segment,
-    how many pods the pod would wait behind at PreBind), nodes without any come first."""
+    """The nodes of ``segments`` to offer, best first: all of them when ``limit`` is 0, else at
+    most ``limit`` among those with the fewest ``waits`` (per segment: the pods the pod would
+    wait behind at PreBind; None: none anywhere)."""
     ranked = order(segments, score, pref, name_rank)
-    if waits is not None and waits[ranked].any():
-        ranked = ranked[np.argsort(waits[ranked], kind="stable")]
-    return ranked[:limit] if limit else ranked
+    if not limit:
+        return ranked
+    if waits is not None and ranked.size:
+        w = waits[ranked]
+        ranked = ranked[w == w.min()]
+    return ranked[:limit]
 
 
 def _fine(desirability: F64) -> F64:

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn, Protocol, TypeVar, cast
+from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -35,6 +35,7 @@ from api.hami import keys as ann
 from api.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
+from scheduler_plugins.core import ranking
 from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.decide import Decision, PodPlan
@@ -106,42 +107,6 @@ class _Reservation:
     # Unreserve came: a PreBind still waiting must not write; one whose patch is in flight
     # takes its annotations back itself when the patch returns.
     cancelled: bool = False
-
-
-BUSY_SCORE_MAX: Final = 49  # a busy node scores at most this; the others 50..100
-
-
-def score_array(
-    desirability: npt.NDArray[np.float64], queued: npt.NDArray[np.int64] | None = None
-) -> npt.NDArray[np.int64]:
-    """Higher is better, 0..100: the least desirable node 0, the most 100, all equal 100.
-
-    ``queued`` says per node how many in-flight pods the node agent could not tell from
-    this one are there (PreBind would wait for them). Nodes with none score 50..100 in
-    their own order and busy ones below, fewer queued higher (49 // queued), so a burst
-    spreads over node agents and, once all are busy, queues evenly. With every node
-    equally busy, desirability alone ranks them. Vectorized: only the candidates kept
-    become Python ints.
-    """
-    if desirability.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if queued is None or not queued.any() or (queued == queued[0]).all():
-        return _scale(desirability, 0)
-    out = np.zeros(desirability.size, dtype=np.int64)
-    free = queued == 0
-    busy = ~free
-    if free.any():
-        out[free] = _scale(desirability[free], BUSY_SCORE_MAX + 1)
-    out[busy] = BUSY_SCORE_MAX // queued[busy]
-    return out
-
-
-def _scale(desirability: npt.NDArray[np.float64], lo_score: int) -> npt.NDArray[np.int64]:
-    lo, hi = float(desirability.min()), float(desirability.max())
-    if hi - lo < 1e-9:
-        return np.full(desirability.size, 100, dtype=np.int64)
-    span = 100.0 - lo_score
-    return np.rint(lo_score + (desirability - lo) * span / (hi - lo)).astype(np.int64)
 
 
 def _pod_path(namespace: str, name: str) -> str:
@@ -269,14 +234,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             started, cpu_started = self._clock(), time.thread_time()
             decision = core_decide(self._cache.state, req)
             feasible = np.flatnonzero(decision.feasible)
-            queued = self._queued(req, decision, feasible)
-            feasible, scores, total = _candidates(
+            limit = request.candidate_nodes
+            offered = ranking.candidates(
                 feasible,
-                score_array(decision.desirability[feasible], queued),
-                request.candidate_nodes,
+                decision.score,
+                decision.preference,
+                decision.layout.name_rank,
+                self._waits(req, decision) if limit and feasible.size else None,
+                limit,
             )
+            scores = decision.preference.kube_scores(decision.score[offered]).tolist()
+            total = feasible.size if offered.size < feasible.size else 0
             all_names = decision.layout.names
-            names = [all_names[i] for i in feasible.tolist()]
+            names = [all_names[i] for i in offered.tolist()]
             # Explaining evaluates every rejected node in full: only when no node fits is it
             # needed now; otherwise Explain answers if the cycle fails for other reasons.
             why = explain(decision, self._cache.state) if not names else ""
@@ -529,20 +499,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         _check_same_pod(decision.request.key, key, ident)
         return decision
 
-    def _queued(
-        self, req: PodRequest, decision: Decision, feasible: npt.NDArray[np.intp]
-    ) -> npt.NDArray[np.int64] | None:
-        """Per feasible node (``feasible``: the decision's node indices), how many in-flight
-        pods PreBind of ``req`` would wait for there (the node agent could not tell them
-        apart). Scoring busy nodes last spreads a burst over node agents instead of queueing
-        it behind one (binpack order holds among the others). One numpy gather per device
-        count from the cache's busy arrays: no Python work per node (mapping a thousand
-        busy node names to segments per call was 4% of the server's CPU in a 1000-node
-        drain)."""
-        if not feasible.size:
-            return None
-        per_node = self._cache.busy_per_node(_device_counts(req), decision.layout.names)
-        return None if per_node is None else per_node[feasible]
+    def _waits(self, req: PodRequest, decision: Decision) -> npt.NDArray[np.int64] | None:
+        """Per node of the decision, how many in-flight pods PreBind of ``req`` would wait for
+        there (the node agent could not tell them apart); None when no node is busy. One
+        numpy gather per device count from the cache's busy arrays: no Python work per node
+        (mapping a thousand busy node names to segments per call was 4% of the server's CPU
+        in a 1000-node drain)."""
+        return self._cache.busy_per_node(_device_counts(req), decision.layout.names)
 
     def _refuse_bound(self, key: str) -> None:
         """A pod the watch shows bound is not reserved or annotated again: the scheduler
@@ -709,18 +672,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "plugin server is rebuilding its cluster state from the API; retry shortly",
             )
-
-
-def _candidates(
-    feasible: npt.NDArray[np.intp], scores: npt.NDArray[np.int64] | list[int], limit: int
-) -> tuple[npt.NDArray[np.intp], list[int], int]:
-    """The ``limit`` best-scored of the feasible nodes (ties: in node order), in node
-    order, with their scores, and how many were feasible (0 when all are kept)."""
-    arr = np.asarray(scores, dtype=np.int64)
-    if not limit or feasible.size <= limit:
-        return feasible, cast("list[int]", arr.tolist()), 0
-    keep = np.sort(np.argsort(-arr, kind="stable")[:limit])
-    return feasible[keep], cast("list[int]", arr[keep].tolist()), int(feasible.size)
 
 
 def _device_counts(req: PodRequest) -> frozenset[int]:

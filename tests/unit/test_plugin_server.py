@@ -13,13 +13,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import grpc
-import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
@@ -30,12 +27,7 @@ from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from scheduler_plugins.server.events import REASON, EventRecorder
-from scheduler_plugins.server.servicer import (
-    WAIT_ELSEWHERE,
-    SchedulerServicer,
-    _candidates,
-    score_array,
-)
+from scheduler_plugins.server.servicer import WAIT_ELSEWHERE, SchedulerServicer
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
 
@@ -146,8 +138,12 @@ class Harness:
     events: EventRecorder
     socket: Path
 
-    def prefilter(self, pod: dict[str, Any]) -> pb.PreFilterResponse:
-        return self.stub.PreFilter(prefilter_req(pod), timeout=10)  # type: ignore[no-any-return]
+    def prefilter(self, pod: dict[str, Any], *, limit: int = 0) -> pb.PreFilterResponse:
+        """PreFilter; ``limit``: the shim's candidate limit (a pod leaving the choice to
+        Tessera), 0 for a pod with placement constraints of its own."""
+        req = prefilter_req(pod)
+        req.candidate_nodes = limit
+        return self.stub.PreFilter(req, timeout=10)  # type: ignore[no-any-return]
 
     def reserve(
         self, name: str, node: str, decision_id: int = 0, *, hand_over: bool = False
@@ -164,7 +160,7 @@ class Harness:
         r = self.prefilter(pod)
         assert r.code == OK, r.message
         if node is None:
-            node = max(zip(r.scores, r.feasible_nodes, strict=True))[1]
+            node = r.feasible_nodes[0]  # the best comes first
         self.reserve(pod["metadata"]["name"], node, r.decision_id)
         return node
 
@@ -262,9 +258,14 @@ def seed_cluster(cache: ClusterCache) -> None:
 # ----- PreFilter ------------------------------------------------------------------------------
 
 
+def _scores(r: pb.PreFilterResponse) -> dict[str, int]:
+    return dict(zip(r.feasible_nodes, r.scores, strict=True))
+
+
+# The seed's node scores, 19.75 and 10.50 of 30, on kube-scheduler's 0..100 scale.
 @pytest.mark.parametrize(
     ("policy", "scores"),
-    [("binpack", {"node1": 100, "node2": 0}), ("spread", {"node1": 0, "node2": 100})],
+    [("binpack", {"node1": 66, "node2": 35}), ("spread", {"node1": 34, "node2": 65})],
 )
 def test_prefilter_scores_seed_nodes_by_node_policy(
     h: Harness, policy: str, scores: dict[str, int]
@@ -278,12 +279,16 @@ def test_prefilter_scores_seed_nodes_by_node_policy(
     assert r.infeasible_message == ""
 
 
-def test_scores_normalize_min_to_0_max_to_100_and_equal_to_100() -> None:
-    import numpy as np
-
-    assert score_array(np.array([-3.0, -1.0, 1.0])).tolist() == [0, 50, 100]
-    assert score_array(np.array([2.0, 2.0])).tolist() == [100, 100]
-    assert score_array(np.array([])).tolist() == []
+def test_a_nodes_score_depends_on_that_node_alone(h: Harness) -> None:
+    """Absolute, not stretched per cycle: a node's score stays when other nodes come or go."""
+    seed_cluster(h.cache)
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    assert _scores(h.prefilter(pod)) == {"node1": 66, "node2": 35}
+    h.cache.delete_node("node2")
+    assert _scores(h.prefilter(make_pod("p2").gpu(1, mem=1000).build())) == {"node1": 66}
+    h.cache.apply_node(node_obj("node3", gpu("GPU-30")))
+    got = _scores(h.prefilter(make_pod("p3").gpu(1, mem=1000).build()))
+    assert got == {"node1": 66, "node3": 0}
 
 
 def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Harness) -> None:
@@ -995,6 +1000,10 @@ def test_own_claim_holds_until_the_pod_is_seen_bound(h_short_wait: Harness) -> N
 
 # ----- busy nodes: a burst spreads over node agents instead of queueing behind one ------------
 
+# n1 holds 1 of 20 slots, 10 of 200 cores, 4000 of 16384 MiB: node score 3.44 of 30 -> 11.
+N1_BINPACK: Final = 11
+LIMIT: Final = 100  # the shim's candidate limit for a pod with no placement constraints
+
 
 def _two_nodes_n1_fuller(h: Harness) -> None:
     """n1 is the binpack choice (it already holds a pod); n2 is empty."""
@@ -1003,76 +1012,64 @@ def _two_nodes_n1_fuller(h: Harness) -> None:
     h.cache.apply_pod(bound_pod("old", "n1", [[("GPU-10", 4000, 10)]]))
 
 
-def _scores(r: pb.PreFilterResponse) -> dict[str, int]:
-    return dict(zip(r.feasible_nodes, r.scores, strict=True))
-
-
-def test_scores_put_busy_nodes_last_fewer_queued_first_and_keep_the_others_order() -> None:
-    import numpy as np
-
-    def q(*v: int) -> Any:
-        return np.array(v, dtype=np.int64)
-
-    assert score_array(np.array([9.0, -3.0, -1.0, 1.0]), q(1, 0, 0, 0)).tolist() == [
-        49,
-        50,
-        75,
-        100,
-    ]
-    assert score_array(np.array([9.0, 2.0, 5.0]), q(3, 0, 1)).tolist() == [16, 100, 49]
-    # every node busy: shorter queues first
-    assert score_array(np.array([1.0, 3.0, 2.0]), q(2, 5, 1)).tolist() == [24, 9, 49]
-    # every node equally busy (or none): desirability alone ranks them
-    assert score_array(np.array([1.0, 3.0]), q(2, 2)).tolist() == [0, 100]
-    assert score_array(np.array([1.0, 3.0]), q(0, 0)).tolist() == [0, 100]
-    assert score_array(np.array([1.0, 3.0]), None).tolist() == [0, 100]
+def _offered(h: Harness, pod: dict[str, Any]) -> dict[str, int]:
+    return _scores(h.prefilter(pod, limit=LIMIT))
 
 
 @pytest.mark.parametrize("stage", ["reserved", "claimed", "allocating"])
-def test_a_node_busy_with_an_indistinguishable_pod_scores_last(h: Harness, stage: str) -> None:
+def test_a_node_busy_with_an_indistinguishable_pod_is_left_out_while_others_fit(
+    h: Harness, stage: str
+) -> None:
     _two_nodes_n1_fuller(h)
     probe = make_pod("probe").gpu(1, mem=1000).build()
-    assert _scores(h.prefilter(probe)) == {"n1": 100, "n2": 0}  # binpack
+    assert _offered(h, probe) == {"n1": N1_BINPACK, "n2": 0}  # binpack: n1 first
     if stage == "allocating":
         h.cache.apply_pod(_allocating("q", "n1", [("GPU-11", 1000, 0)]))
     else:
         h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
         if stage == "claimed":
             h.prebind("q", "n1")
-    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 49, "n2": 100}
+    r = h.prefilter(make_pod("p").gpu(1, mem=1000).build(), limit=LIMIT)
+    assert _scores(r) == {"n2": 0}
+    assert r.feasible_total == 2  # not every feasible node: the shim may ask for all
+    # A pod with placement constraints of its own (no limit) sees every feasible node, with
+    # the same scores: waiting is only a tie-breaker for pods that leave the choice to Tessera.
+    full = _scores(h.prefilter(make_pod("p2").gpu(1, mem=1000).build()))
+    assert set(full) == {"n1", "n2"} and full["n2"] == 0
 
 
 def test_a_busy_node_is_still_first_for_a_pod_the_agent_can_tell_apart(h: Harness) -> None:
     _two_nodes_n1_fuller(h)
     h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
     h.prebind("q", "n1")
-    r = h.prefilter(make_pod("two").gpu(2, mem=1000).build())
-    assert _scores(r) == {"n1": 100, "n2": 0}
+    r = h.prefilter(make_pod("two").gpu(2, mem=1000).build(), limit=LIMIT)
+    assert list(r.feasible_nodes) == ["n1", "n2"]
+    assert r.scores[1] == 0 and r.scores[0] > N1_BINPACK  # q counts now
 
 
 def test_a_node_is_no_longer_busy_once_its_agent_has_allocated(h: Harness) -> None:
     _two_nodes_n1_fuller(h)
     q = _allocating("q", "n1", [("GPU-11", 1000, 0)])
     h.cache.apply_pod(q)
-    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 49, "n2": 100}
+    assert _offered(h, make_pod("p").gpu(1, mem=1000).build()) == {"n2": 0}
     q["metadata"]["annotations"][ann.BIND_PHASE] = "success"
     q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
     h.cache.apply_pod(q)
-    assert _scores(h.prefilter(make_pod("p2").gpu(1, mem=1000).build())) == {"n1": 100, "n2": 0}
+    assert list(_offered(h, make_pod("p2").gpu(1, mem=1000).build())) == ["n1", "n2"]
 
 
 def test_once_every_node_is_busy_the_shortest_queue_wins(h: Harness) -> None:
     _two_nodes_n1_fuller(h)
     for name, node in (("q1", "n1"), ("q2", "n1"), ("q3", "n2")):
         h.schedule(make_pod(name).gpu(1, mem=1000).build(), node)
-    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 24, "n2": 49}
+    assert list(_offered(h, make_pod("p").gpu(1, mem=1000).build())) == ["n2"]
 
 
 def test_unreserve_frees_the_node_for_the_next_pod(h: Harness) -> None:
     _two_nodes_n1_fuller(h)
     h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
     h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("q"), node="n1"))
-    assert _scores(h.prefilter(make_pod("p").gpu(1, mem=1000).build())) == {"n1": 100, "n2": 0}
+    assert _offered(h, make_pod("p").gpu(1, mem=1000).build()) == {"n1": N1_BINPACK, "n2": 0}
 
 
 def test_unreadable_allocating_annotations_make_the_node_busy_for_everyone(h: Harness) -> None:
@@ -1080,8 +1077,7 @@ def test_unreadable_allocating_annotations_make_the_node_busy_for_everyone(h: Ha
     q = _allocating("q", "n1", [("GPU-11", 1000, 0)])
     q["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = "not a device list"
     h.cache.apply_pod(q)
-    r = h.prefilter(make_pod("p").gpu(2, mem=1000).build())
-    assert _scores(r) == {"n1": 49, "n2": 100}
+    assert list(_offered(h, make_pod("p").gpu(2, mem=1000).build())) == ["n2"]
 
 
 # ----- cache ----------------------------------------------------------------------------------
@@ -1271,36 +1267,6 @@ def test_tcp_address_must_be_loopback_unless_allowed() -> None:
 # ----- candidate nodes: kube-scheduler filters and scores the best few only ---------------------
 
 
-@pytest.mark.parametrize(
-    ("scores", "limit", "kept", "total"),
-    [
-        ([10, 90, 50, 90], 2, [1, 3], 4),  # the best two, in node order
-        ([10, 90, 50, 90], 0, [0, 1, 2, 3], 0),  # 0: every node
-        ([10, 90], 5, [0, 1], 0),  # fewer than the limit: all, not truncated
-        ([70, 70, 70], 2, [0, 1], 3),  # ties: node order
-    ],
-)
-def test_candidates_keep_the_best_scored(
-    scores: list[int], limit: int, kept: list[int], total: int
-) -> None:
-    feasible = np.arange(100, 100 + len(scores))
-    got, got_scores, got_total = _candidates(feasible, scores, limit)
-    assert got.tolist() == [100 + i for i in kept]
-    assert got_scores == [scores[i] for i in kept]
-    assert got_total == total
-
-
-@given(st.lists(st.integers(0, 100), min_size=1, max_size=60), st.integers(1, 70))
-def test_no_dropped_node_scores_above_a_kept_one(scores: list[int], limit: int) -> None:
-    feasible = np.arange(len(scores))
-    got, got_scores, total = _candidates(feasible, scores, limit)
-    assert len(got) == min(limit, len(scores))
-    assert total == (len(scores) if len(scores) > limit else 0)
-    dropped = [scores[i] for i in range(len(scores)) if i not in set(got.tolist())]
-    assert not dropped or max(dropped) <= min(got_scores)
-    assert got.tolist() == sorted(got.tolist())
-
-
 def test_prefilter_answers_the_best_candidates_and_reserve_takes_any_feasible_node(
     h: Harness,
 ) -> None:
@@ -1309,14 +1275,8 @@ def test_prefilter_answers_the_best_candidates_and_reserve_takes_any_feasible_no
     pod = make_pod("p").gpu(1, mem=1000).build()
     full = h.prefilter(pod)
     assert full.feasible_total == 0 and len(full.feasible_nodes) == 5
-    ranked = sorted(
-        (-score, i, node)
-        for i, (score, node) in enumerate(zip(full.scores, full.feasible_nodes, strict=True))
-    )
-    best = [node for _, _, node in sorted(ranked[:2], key=lambda t: t[1])]  # ties: node order
-    req = prefilter_req(pod)
-    req.candidate_nodes = 2
-    r = h.stub.PreFilter(req, timeout=10)
+    best = list(full.feasible_nodes[:2])  # best first
+    r = h.prefilter(pod, limit=2)
     assert r.feasible_total == 5
     assert list(r.feasible_nodes) == best
     assert list(r.scores) == [full.scores[list(full.feasible_nodes).index(n)] for n in best]

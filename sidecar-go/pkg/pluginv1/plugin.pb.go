@@ -201,10 +201,11 @@ type PreFilterRequest struct {
 	Pod     *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
 	// The Pod object as JSON (metadata.annotations and spec.containers/initContainers matter).
 	PodJson []byte `protobuf:"bytes,3,opt,name=pod_json,json=podJson,proto3" json:"pod_json,omitempty"`
-	// At most this many feasible nodes in the answer, the best by score (0: every one). The
-	// shim asks for a limit only for pods no other plugin is likely to narrow (no node
-	// selector, affinity or topology spread): kube-scheduler then filters and scores these
-	// candidates only, instead of a sample of every feasible node.
+	// At most this many feasible nodes in the answer, the best (0: every one). The shim asks
+	// for a limit only for pods no other plugin is likely to narrow (no node selector,
+	// affinity or topology spread): kube-scheduler then filters and scores these candidates
+	// only, instead of a sample of every feasible node. With a limit, the server also leaves
+	// out nodes where the pod would wait at PreBind while nodes where it would not fit.
 	CandidateNodes uint32 `protobuf:"varint,4,opt,name=candidate_nodes,json=candidateNodes,proto3" json:"candidate_nodes,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
@@ -272,8 +273,9 @@ type PreFilterResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Code    PreFilterResponse_Code `protobuf:"varint,1,opt,name=code,proto3,enum=tessera.plugin.v1.PreFilterResponse_Code" json:"code,omitempty"`
 	Message string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
-	// Nodes that fit, and their scores (parallel array; higher is better, 0..100 after the
-	// server's normalization by the pod's node policy).
+	// Nodes that fit, best first, and their scores (parallel array): Tessera's preference by
+	// the pod's node policy on an absolute 0..100 scale (never stretched per cycle), which
+	// kube-scheduler weighs beside its own plugins. A score outside 0..100 is a protocol error.
 	FeasibleNodes []string `protobuf:"bytes,3,rep,name=feasible_nodes,json=feasibleNodes,proto3" json:"feasible_nodes,omitempty"`
 	Scores        []int64  `protobuf:"varint,4,rep,packed,name=scores,proto3" json:"scores,omitempty"`
 	// Why the other nodes don't fit (the same explanation for every infeasible node). Set with
@@ -281,9 +283,9 @@ type PreFilterResponse struct {
 	InfeasibleMessage string `protobuf:"bytes,5,opt,name=infeasible_message,json=infeasibleMessage,proto3" json:"infeasible_message,omitempty"`
 	// Identifies the decision the server cached for Reserve.
 	DecisionId uint64 `protobuf:"varint,6,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
-	// feasible_nodes holds only the candidate_nodes best of this many feasible nodes (0: all
-	// of them are there). If kube-scheduler's other plugins reject every candidate, the shim
-	// asks for every feasible node in the pod's next attempt.
+	// feasible_nodes holds only some (the candidates) of this many feasible nodes (0: all of
+	// them are there). If kube-scheduler's other plugins reject every candidate, the shim asks
+	// for every feasible node in the pod's next attempt.
 	FeasibleTotal uint32 `protobuf:"varint,7,opt,name=feasible_total,json=feasibleTotal,proto3" json:"feasible_total,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

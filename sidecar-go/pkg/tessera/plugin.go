@@ -189,7 +189,6 @@ var (
 	_ fwk.PostFilterPlugin  = &Plugin{}
 	_ fwk.PreScorePlugin    = &Plugin{}
 	_ fwk.ScorePlugin       = &Plugin{}
-	_ fwk.ScoreExtensions   = &Plugin{}
 	_ fwk.ReservePlugin     = &Plugin{}
 	_ fwk.PreBindPlugin     = &Plugin{}
 	_ fwk.BindPlugin        = &Plugin{}

@@ -134,6 +134,11 @@ func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk
 		}
 		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, msg)
 	}
+	for i, s := range scores {
+		if s < 0 || s > fwk.MaxNodeScore {
+			return nil, fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreFilter: node %s scored %d, outside 0..%d", nodes[i], s, fwk.MaxNodeScore))
+		}
+	}
 	d := &decision{
 		id:                resp.GetDecisionId(),
 		scores:            make(map[string]int64, len(nodes)),

@@ -24,26 +24,7 @@ func (p *Plugin) Score(_ context.Context, state fwk.CycleState, _ *v1.Pod, nodeI
 	return d.scores[nodeInfo.Node().Name], nil
 }
 
-// ScoreExtensions implements fwk.ScorePlugin.
-func (p *Plugin) ScoreExtensions() fwk.ScoreExtensions { return p }
-
-// NormalizeScore keeps scores in [0, MaxNodeScore]. The server already normalizes to 0..100 by
-// the pod's node policy, so in-range scores pass unchanged (stretching them would overweight
-// small differences against the other plugins); out-of-range ones are clamped below and scaled
-// down proportionally above.
-func (p *Plugin) NormalizeScore(_ context.Context, _ fwk.CycleState, _ *v1.Pod, scores fwk.NodeScoreList) *fwk.Status {
-	var highest int64
-	for i := range scores {
-		if scores[i].Score < 0 {
-			scores[i].Score = 0
-		}
-		highest = max(highest, scores[i].Score)
-	}
-	if highest <= fwk.MaxNodeScore {
-		return nil
-	}
-	for i := range scores {
-		scores[i].Score = scores[i].Score * fwk.MaxNodeScore / highest
-	}
-	return nil
-}
+// ScoreExtensions returns nil: the server's scores are already on kube-scheduler's 0..100
+// scale (absolute, not stretched per cycle; PreFilter refuses any other), so there is nothing
+// to normalize.
+func (p *Plugin) ScoreExtensions() fwk.ScoreExtensions { return nil }

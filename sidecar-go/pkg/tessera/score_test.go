@@ -1,37 +1,52 @@
 package tessera
 
 import (
-	"context"
+	"strings"
 	"testing"
 
-	fwk "k8s.io/kube-scheduler/framework"
+	"tessera/sidecar-go/pkg/pluginv1"
 )
 
-func TestNormalizeScoreKeepsRangeWithoutStretching(t *testing.T) {
+func TestScoresPassUnchangedAndOutOfRangeOnesAreRefused(t *testing.T) {
 	p := newTestPlugin(t, nil)
+	if p.ScoreExtensions() != nil {
+		t.Fatal("ScoreExtensions: the server's scores are on kube-scheduler's scale already")
+	}
 	cases := []struct {
-		name     string
-		in, want []int64
+		name   string
+		scores []int64
+		bad    string
 	}{
-		{"in range passes unchanged", []int64{30, 40, 0}, []int64{30, 40, 0}},
-		{"negative clamps to zero", []int64{-5, 60}, []int64{0, 60}},
-		{"above max scales down", []int64{200, 100, 50}, []int64{100, 50, 25}},
-		{"empty", nil, nil},
+		{"in range", []int64{0, 37, 100}, ""},
+		{"negative", []int64{10, -1}, "node n1 scored -1, outside 0..100"},
+		{"above the maximum", []int64{101}, "node n0 scored 101, outside 0..100"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			scores := make(fwk.NodeScoreList, len(tc.in))
-			for i, s := range tc.in {
-				scores[i] = fwk.NodeScore{Name: string(rune('a' + i)), Score: s}
+			resp := &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_OK, DecisionId: 1}
+			for i, s := range tc.scores {
+				resp.FeasibleNodes = append(resp.FeasibleNodes, "n"+string(rune('0'+i)))
+				resp.Scores = append(resp.Scores, s)
 			}
-			if st := p.NormalizeScore(context.Background(), nil, nil, scores); !st.IsSuccess() {
-				t.Fatalf("NormalizeScore = %v", st)
-			}
-			for i, s := range scores {
-				if s.Score != tc.want[i] {
-					t.Errorf("scores = %v, want %v", scores, tc.want)
-					break
+			state := newState()
+			_, st := answerPreFilter(state, resp, nil, p.args.Timeout.Duration)
+			if tc.bad == "" {
+				if !st.IsSuccess() {
+					t.Fatalf("status = %v", st)
 				}
+				d, err := readDecision(state)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i, s := range tc.scores {
+					if got := d.scores[resp.FeasibleNodes[i]]; got != s {
+						t.Errorf("node %s: score %d, want %d unchanged", resp.FeasibleNodes[i], got, s)
+					}
+				}
+				return
+			}
+			if st.IsSuccess() || !strings.Contains(st.Message(), tc.bad) {
+				t.Fatalf("status = %v, want an error naming %q", st, tc.bad)
 			}
 		})
 	}
