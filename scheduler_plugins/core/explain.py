@@ -65,6 +65,15 @@ def explain(decision: Decision, state: ClusterState) -> str:
     return head + (": " + "; ".join(clauses) if clauses else "")
 
 
+def rejection_reasons(decision: Decision) -> int:
+    """``Reason`` bits of every kind that rejected at least one node (GPU-less nodes too)."""
+    rejected = decision.reasons[~decision.feasible]
+    bits = int(np.bitwise_or.reduce(rejected, initial=0))
+    if decision.layout.gpu_less:
+        bits |= Reason.NO_GPU
+    return bits
+
+
 def node_reasons(explanation: str) -> str:
     """An ``explain`` text without its count header: what a rejected node's Filter status
     says (kube-scheduler prefixes its own "0/N nodes are available" and node counts)."""

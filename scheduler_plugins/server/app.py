@@ -32,6 +32,7 @@ from api.sockets import (
     restrict_socket,
 )
 from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.core.reservations import DEFAULT_PREBIND_WAIT_S
 from scheduler_plugins.server.events import EventRecorder
 from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
 from scheduler_plugins.server.servicer import SchedulerServicer
@@ -103,7 +104,7 @@ class PluginServer:
         socket_path: Path | None = None,
         tcp_address: str | None = None,
         allow_remote: bool = False,
-        prebind_wait_s: float = 30.0,
+        prebind_wait_s: float = DEFAULT_PREBIND_WAIT_S,
         watch_timeout_s: int = 60,
         event_interval_s: float = 60.0,
         workers: int = DEFAULT_RPC_WORKERS,

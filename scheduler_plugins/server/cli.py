@@ -12,6 +12,7 @@ import structlog
 
 from api.hami.config import DeviceConfig, load_config_file
 from api.kube.client import KubeClient
+from scheduler_plugins.core.reservations import DEFAULT_PREBIND_WAIT_S
 from scheduler_plugins.logs import add_logging_flags
 from scheduler_plugins.server.app import DEFAULT_RPC_WORKERS, MIN_RPC_WORKERS
 
@@ -53,7 +54,7 @@ def add_plugin_server_commands(
     p.add_argument(
         "--prebind-wait",
         type=float,
-        default=30.0,
+        default=DEFAULT_PREBIND_WAIT_S,
         metavar="SECONDS",
         help="longest PreBind waits for an ambiguous allocating pod on the node",
     )

@@ -56,7 +56,6 @@ from prometheus_client.samples import Sample
 from api.errors import InvalidInputError
 from api.hami.register import GpuDevice
 from api.plugin.v1 import plugin_pb2 as pb
-from scheduler_plugins.core.decide import Decision
 from scheduler_plugins.core.requests import PodAllocation
 from scheduler_plugins.core.rules import Reason
 from scheduler_plugins.core.state import ClusterState
@@ -686,15 +685,6 @@ PREFILTER_OUTCOMES: Final[dict[int, Outcome]] = {
 def reason_label(reason: Reason) -> str:
     """The ``reason`` label of a rejection kind: its name in snake case (``mig_fragmentation``)."""
     return str(reason.name).lower()
-
-
-def rejection_reasons(decision: Decision) -> int:
-    """``Reason`` bits of every kind that rejected at least one node (GPU-less nodes too)."""
-    rejected = decision.reasons[~decision.feasible]
-    bits = int(np.bitwise_or.reduce(rejected, initial=0))
-    if decision.layout.gpu_less:
-        bits |= Reason.NO_GPU
-    return bits
 
 
 class SchedulingMetrics:

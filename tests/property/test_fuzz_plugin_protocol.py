@@ -454,7 +454,8 @@ def test_non_grpc_garbage_on_the_socket_leaves_the_server_serving(
 
 def test_a_ref_mixing_one_pods_uid_with_anothers_name_is_refused() -> None:
     """Reserve, PreBind and Unreserve find the reservation by uid: a ref with that uid and
-    another pod's name must not bind, or strip the bind annotations of, the other pod."""
+    another pod's name must not bind, or strip the bind annotations of, the other pod (nor
+    Explain, which answers from the uid's decision, explain it)."""
     server = make_server()
     ref = pb.PodRef(namespace="default", name="fz-1", uid="uid-1")
     pod = make_pod("fz-1").gpu(1, mem=1000).build()
@@ -475,5 +476,10 @@ def test_a_ref_mixing_one_pods_uid_with_anothers_name_is_refused() -> None:
             )
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "does not match pod default/fz-1" in e.value.details
+    explain = pb.ExplainRequest(version=V1, pod=mixed, decision_id=r.decision_id)
+    with pytest.raises(Aborted) as e:
+        server.servicer.Explain(explain, FakeContext())
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not match pod default/fz-1" in e.value.details
     assert [path for path, _ in server.kube.patches] == ["/api/v1/namespaces/default/pods/fz-1"]
     assert server.cache.state.allocation(victim) == record
