@@ -343,7 +343,6 @@ class _Masks:
 
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
     n = layout.n_rows
-    S = len(layout.names)
     preference = ranking.Preference(
         request.node_policy, rules.node_score_max(state.config.node_score_cpu_memory)
     )
@@ -352,38 +351,23 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
         if request.use_uuids or request.nouse_uuids
         else None
     )
-    if S == 0:  # no node registers a GPU
+    reasons: I64 | None = None
+    evaluated: _Evaluated | None = None
+    if not layout.names:  # no node registers a GPU
         masks = _Masks(None, uuid_ok, False)
-        return Decision(
-            request,
-            layout,
-            np.zeros(0, np.bool_),
-            np.zeros(0),
-            preference,
-            state,
-            masks,
-            reasons=np.zeros(0, np.int64),
-        )
-    ok_types: B | None = None
-    if request.use_types or request.nouse_types:
-        ok_types = np.array(
-            [rules.type_allowed(t, request.use_types, request.nouse_types) for t in state.types]
-            or [True],
-            np.bool_,
-        )
-    masks = _Masks(ok_types, uuid_ok, bool(state.gpus.conflict[:n].any()))
-    score = _node_scores(state, layout)
-    feasible, evaluated = _feasible(state, layout, request, masks, owned, score, preference)
-    return Decision(
-        request=request,
-        layout=layout,
-        feasible=feasible,
-        score=score,
-        preference=preference,
-        state=state,
-        masks=masks,
-        evaluated=evaluated,
-    )
+        feasible, score, reasons = np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64)
+    else:
+        ok_types: B | None = None
+        if request.use_types or request.nouse_types:
+            ok_types = np.array(
+                [rules.type_allowed(t, request.use_types, request.nouse_types) for t in state.types]
+                or [True],
+                np.bool_,
+            )
+        masks = _Masks(ok_types, uuid_ok, bool(state.gpus.conflict[:n].any()))
+        score = _node_scores(state, layout)
+        feasible, evaluated = _feasible(state, layout, request, masks, owned, score, preference)
+    return Decision(request, layout, feasible, score, preference, state, masks, reasons, evaluated)
 
 
 # Feasibility without planning devices. A container fits a path of a node when enough of the
@@ -638,35 +622,6 @@ def _row_counts(fit: B) -> npt.NDArray[Any]:
     return sums
 
 
-class _Table(Protocol):
-    """What a path evaluation reads of a table: a ``PathTable`` or some of its rows."""
-
-    @property
-    def nodes(self) -> I64: ...
-    @property
-    def idx(self) -> I64: ...
-    @property
-    def ok(self) -> B: ...
-    @property
-    def slots(self) -> F64: ...
-    @property
-    def mem(self) -> F64: ...
-    @property
-    def cores(self) -> F64: ...
-    @property
-    def type_id(self) -> npt.NDArray[np.int32]: ...
-    @property
-    def min_cores(self) -> float: ...
-    @property
-    def lut_off(self) -> I64 | None: ...
-    @property
-    def lut_stride(self) -> I64 | None: ...
-    @property
-    def lut_full(self) -> I64 | None: ...
-    @property
-    def lut(self) -> ChoiceLuts | None: ...
-
-
 @dataclass(frozen=True)
 class _TableRows:
     """The rows of a ``PathTable`` that belong to some segments. ``nodes`` are positions in
@@ -738,13 +693,9 @@ def _rows_of(table: PathTable, segs: I64, memo: dict[Any, Any] | None) -> _Table
 
 
 class _Columns(NamedTuple):
-    slots: F64
-    mem: F64
-    cores: F64
+    cap: rules.Amounts
     ok: B
-    us: F64
-    um: F64
-    uc: F64
+    used: rules.Amounts
 
 
 @dataclass
@@ -776,7 +727,7 @@ class _Path:
     def __init__(
         self,
         src: _StateLike,
-        table: _Table,
+        table: PathTable | _TableRows,
         masks: _Masks,
         *,
         mig: bool,
@@ -829,6 +780,15 @@ class _Path:
     def _gather(self, column: npt.NDArray[Any], name: str) -> npt.NDArray[Any]:
         out = self.scratch.get(name, self.shape, column.dtype.type)
         return np.take(column, self.table.idx, out=out, mode="clip")
+
+    def _score_out(self, shape: tuple[int, ...]) -> tuple[F64, F64, B]:
+        """Work arrays for ``rules.gpu_score``: the desirability, a temporary, finite flags."""
+        sc = self.scratch
+        return (
+            sc.get("desir", shape, np.float64),
+            sc.get("f0", shape, np.float64),
+            sc.get("b0", shape, np.bool_),
+        )
 
     def _copy(self, a: npt.NDArray[Any], name: str) -> npt.NDArray[Any]:
         out = self.scratch.get(name, a.shape, a.dtype.type)
@@ -896,20 +856,16 @@ class _Path:
     # --- hami-core ---
 
     def _core_columns(self, pos: I64 | None) -> _Columns:
-        """Capacities, ok, usage (slots, memory, cores) of every position or of ``pos``."""
+        """Capacities, ok and usage (slots, memory, cores) of every position or of ``pos``."""
         t = self.table
-        cols = _Columns(t.slots, t.mem, t.cores, self.ok, self.slots, self.mem, self.cores)
+        cap = rules.Amounts(t.slots, t.mem, t.cores)
+        used = rules.Amounts(self.slots, self.mem, self.cores)
         if pos is None:
-            return cols
-        slots, mem, cores, ok, us, um, uc = cols
+            return _Columns(cap, self.ok, used)
         return _Columns(
-            slots.ravel()[pos],
-            mem.ravel()[pos],
-            cores.ravel()[pos],
-            ok.ravel()[pos],
-            us.ravel()[pos],
-            um.ravel()[pos],
-            uc.ravel()[pos],
+            rules.Amounts(*(a.ravel()[pos] for a in cap)),
+            self.ok.ravel()[pos],
+            rules.Amounts(*(a.ravel()[pos] for a in used)),
         )
 
     def _core_fit(
@@ -918,18 +874,17 @@ class _Path:
         """Where each position can take one device of ``c`` (``rules.core_checks``), the memory
         it asks of each, and with ``self.why`` the failed checks' reasons. ``work``: in work
         arrays, read before the next evaluation."""
-        slots, mem, cores, ok, us, um, uc = cols
+        cap, ok, used = cols
         sc, shape = self.scratch, ok.shape
         req_mem = rules.request_memory(
-            c.mem_mib, c.mem_percent, mem, sc.get("req_mem", shape, np.float64) if work else None
+            c.mem_mib,
+            c.mem_percent,
+            cap.mem,
+            sc.get("req_mem", shape, np.float64) if work else None,
         )
         checks = rules.core_checks(
-            slots,
-            mem,
-            cores,
-            us,
-            um,
-            uc,
+            cap,
+            used,
             req_mem,
             c.cores,
             # else every card has more cores than asked: no exclusivity
@@ -957,19 +912,8 @@ class _Path:
         cols = self._core_columns(pos)
         work = pos is None and self.ok.size > _SMALL
         fit, req_mem, why = self._core_fit(c, cols, work=work)
-        slots, mem, cores, _, us, um, uc = cols
-        shape = fit.shape
-        sc = self.scratch
-        out = (
-            (
-                sc.get("desir", shape, np.float64),
-                sc.get("f0", shape, np.float64),
-                sc.get("b0", shape, np.bool_),
-            )
-            if work
-            else None
-        )
-        desir = rules.gpu_score(slots, mem, cores, us, um, uc, req_mem, float(c.cores), out)
+        out = self._score_out(fit.shape) if work else None
+        desir = rules.gpu_score(cols.cap, cols.used, req_mem, float(c.cores), out)
         desir *= sign
         return fit, desir, why
 
@@ -1113,16 +1057,10 @@ class _Path:
             pcore = lut.cores.take(li).reshape(shape)
         reasons = lut.why.take(li).reshape(shape) if explain and self.why else None
         fit, why = self._mig_fit(prof, slots, us, ok, reasons, work=work)
-        out = (
-            (
-                sc.get("desir", shape, np.float64),
-                sc.get("f0", shape, np.float64),
-                sc.get("b0", shape, np.bool_),
-            )
-            if work
-            else None
+        out = self._score_out(shape) if work else None
+        desir = rules.gpu_score(
+            rules.Amounts(slots, mem, cores), rules.Amounts(us, um, uc), pmem, pcore, out
         )
-        desir = rules.gpu_score(slots, mem, cores, us, um, uc, pmem, pcore, out)
         desir *= sign
         return [prof, start, pmem, pcore, fit, desir], why
 
@@ -1322,12 +1260,8 @@ def _node_scores(state: ClusterState, layout: Layout) -> F64:
         else None
     )
     return rules.node_score(
-        state.node_used_slots,
-        state.node_slots,
-        state.node_used_cores,
-        state.node_cores,
-        state.node_used_mem,
-        state.node_mem,
+        rules.Amounts(state.node_slots, state.node_mem, state.node_cores),
+        rules.Amounts(state.node_used_slots, state.node_used_mem, state.node_used_cores),
         cpu,
         at=layout.node_idx,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from enum import IntFlag
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +72,14 @@ REASON_TEXT: Final[dict[Reason, str]] = {
 
 def reason_names(bits: int) -> list[str]:
     return [REASON_TEXT[r] for r in Reason if bits & r]
+
+
+class Amounts(NamedTuple):
+    """vGPU slots, memory (MiB) and cores, per GPU: what GPUs have, or what holds them."""
+
+    slots: F64
+    mem: F64
+    cores: F64
 
 
 Check = tuple[Reason | I64, B]
@@ -152,20 +160,17 @@ def request_memory(
 
 
 def core_checks(
-    slots: F64,
-    mem: F64,
-    cores: F64,
-    used_slots: F64,
-    used_mem: F64,
-    used_cores: F64,
+    cap: Amounts,
+    used: Amounts,
     req_mem: F64 | float,
     req_cores: int,
     *,
     exclusive_possible: bool = True,
     out: tuple[B, B, F64] | None = None,
 ) -> Iterator[Check]:
-    """The conditions for a hami-core GPU to take one device: a free vGPU slot, the memory, the
-    cores, and an unused GPU when the device asks every core of it.
+    """The conditions for a hami-core GPU (capacity ``cap``, in use ``used``) to take one
+    device: a free vGPU slot, the memory, the cores, and an unused GPU when the device asks
+    every core of it.
 
     ``exclusive_possible`` False says no GPU looked at has as few cores as the device asks
     (the last condition then holds everywhere and is skipped). With ``out`` (two bool arrays
@@ -173,20 +178,20 @@ def core_checks(
     asking for the next.
     """
     if out is None:
-        yield Reason.SLOTS, used_slots < slots
-        yield Reason.MEMORY, mem - used_mem >= req_mem
-        yield Reason.CORES, (cores - used_cores >= req_cores) & (used_cores < cores)
+        yield Reason.SLOTS, used.slots < cap.slots
+        yield Reason.MEMORY, cap.mem - used.mem >= req_mem
+        yield Reason.CORES, (cap.cores - used.cores >= req_cores) & (used.cores < cap.cores)
         if exclusive_possible:
-            yield Reason.EXCLUSIVE, (req_cores < cores) | (used_slots == 0)
+            yield Reason.EXCLUSIVE, (req_cores < cap.cores) | (used.slots == 0)
         return
     b, b2, f = out
-    yield Reason.SLOTS, np.less(used_slots, slots, out=b)
-    yield Reason.MEMORY, np.greater_equal(np.subtract(mem, used_mem, out=f), req_mem, out=b)
-    held = np.greater_equal(np.subtract(cores, used_cores, out=f), req_cores, out=b)
-    yield Reason.CORES, np.logical_and(held, np.less(used_cores, cores, out=b2), out=b)
+    yield Reason.SLOTS, np.less(used.slots, cap.slots, out=b)
+    yield Reason.MEMORY, np.greater_equal(np.subtract(cap.mem, used.mem, out=f), req_mem, out=b)
+    held = np.greater_equal(np.subtract(cap.cores, used.cores, out=f), req_cores, out=b)
+    yield Reason.CORES, np.logical_and(held, np.less(used.cores, cap.cores, out=b2), out=b)
     if exclusive_possible:
-        unused = np.equal(used_slots, 0, out=b2)
-        yield Reason.EXCLUSIVE, np.logical_or(np.less(req_cores, cores, out=b), unused, out=b)
+        unused = np.equal(used.slots, 0, out=b2)
+        yield Reason.EXCLUSIVE, np.logical_or(np.less(req_cores, cap.cores, out=b), unused, out=b)
 
 
 def mig_checks(
@@ -236,12 +241,8 @@ GPU_SCORE_MAX: Final = 30.0
 
 
 def gpu_score(
-    slots: F64,
-    mem: F64,
-    cores: F64,
-    used_slots: F64,
-    used_mem: F64,
-    used_cores: F64,
+    cap: Amounts,
+    used: Amounts,
     req_mem: F64 | float,
     req_cores: F64 | float,
     out: tuple[F64, F64, B] | None = None,
@@ -253,20 +254,20 @@ def gpu_score(
     if out is None:
         with np.errstate(divide="ignore", invalid="ignore"):
             s = (
-                (1 + used_slots) / slots
-                + (req_cores + used_cores) / cores
-                + (req_mem + used_mem) / mem
+                (1 + used.slots) / cap.slots
+                + (req_cores + used.cores) / cap.cores
+                + (req_mem + used.mem) / cap.mem
             ) * 10
         return s if np.isfinite(s).all() else np.nan_to_num(s)
     s, t, finite = out
     with np.errstate(divide="ignore", invalid="ignore"):
-        np.add(used_slots, 1, out=s)
-        np.divide(s, slots, out=s)
-        np.add(used_cores, req_cores, out=t)
-        np.divide(t, cores, out=t)
+        np.add(used.slots, 1, out=s)
+        np.divide(s, cap.slots, out=s)
+        np.add(used.cores, req_cores, out=t)
+        np.divide(t, cap.cores, out=t)
         np.add(s, t, out=s)
-        np.add(used_mem, req_mem, out=t)
-        np.divide(t, mem, out=t)
+        np.add(used.mem, req_mem, out=t)
+        np.divide(t, cap.mem, out=t)
         np.add(s, t, out=s)
         np.multiply(s, 10, out=s)
     if not np.isfinite(s, out=finite).all():
@@ -275,23 +276,20 @@ def gpu_score(
 
 
 def node_score(
-    used_slots: F64,
-    slots: F64,
-    used_cores: F64,
-    cores: F64,
-    used_mem: F64,
-    mem: F64,
+    cap: Amounts,
+    used: Amounts,
     cpu: tuple[F64, F64, F64, F64] | None = None,
     *,
     at: I64 | None = None,
 ) -> F64:
     """The seed's node score, usage before this pod: (slots share + cores share + memory share)
-    × 10 over the node's GPUs, 0..30; with ``cpu`` (requested and allocatable CPU, requested and
-    allocatable memory), the node's CPU and memory shares × 10 are added (0..50). A node
-    lacking some capacity (a share of nothing) scores 0. ``at``: only these entries of the
-    inputs (computed over all of them, then taken: one gather instead of one per column)."""
+    × 10 over the node's GPUs (``cap``/``used``: the node's sums), 0..30; with ``cpu``
+    (requested and allocatable CPU, requested and allocatable memory), the node's CPU and
+    memory shares × 10 are added (0..50). A node lacking some capacity (a share of nothing)
+    scores 0. ``at``: only these entries of the inputs (computed over all of them, then taken:
+    one gather instead of one per column)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        score = (used_slots / slots + used_cores / cores + used_mem / mem) * 10
+        score = (used.slots / cap.slots + used.cores / cap.cores + used.mem / cap.mem) * 10
         if cpu is not None:
             cpu_req, cpu_alloc, mem_req, mem_alloc = cpu
             score += (cpu_req / cpu_alloc + mem_req / mem_alloc) * 10
@@ -314,6 +312,7 @@ def _bits(mask: B, reason: Reason) -> I64:
 
 __all__ = [
     "REASON_TEXT",
+    "Amounts",
     "Check",
     "Reason",
     "core_checks",
