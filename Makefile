@@ -32,7 +32,7 @@ demo: setup tools
 simulate: setup
 	@bash hack/simulate-examples.sh
 
-## test: everything — lint, strict typing, unit + property tests, Go shim tests, integration tests
+## test: everything — lint (ruff, the import contract), strict typing, unit + property tests, Go shim tests, integration tests
 test: lint typecheck unit go-test integration
 
 lint: setup

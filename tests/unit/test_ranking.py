@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -101,17 +98,3 @@ def test_candidates_with_a_limit_are_the_best_where_the_pod_waits_least() -> Non
 def test_no_candidates_of_no_nodes() -> None:
     empty = np.zeros(0, np.int64)
     assert ranking.candidates(empty, np.zeros(0), BINPACK, empty, empty, 5).tolist() == []
-
-
-def test_the_shipped_profiles_weigh_tessera_as_documented() -> None:
-    root = Path(__file__).resolve().parents[2]
-    example = yaml.safe_load((root / "examples" / "scheduler-config.yaml").read_text())
-    weights = [
-        plugin["weight"]
-        for profile in example["profiles"]
-        for plugin in profile["plugins"]["score"]["enabled"]
-        if plugin["name"] == "Tessera"
-    ]
-    assert weights == [ranking.SCORE_WEIGHT]
-    values = yaml.safe_load((root / "charts" / "tessera" / "values.yaml").read_text())
-    assert values["scheduler"]["tesseraPlugin"]["scoreWeight"] == ranking.SCORE_WEIGHT
