@@ -15,13 +15,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from scheduler_plugins.simulate import render_table, simulate
 
     config = load_config_file(args.config) if args.config else DeviceConfig()
-    results = simulate(Path(args.cluster), Path(args.pods), config)
+    simulation = simulate(Path(args.cluster), Path(args.pods), config)  # validates everything
+    for s in simulation.skipped:
+        print(f"tessera: warning: {s}", file=sys.stderr)
+    results = list(simulation)
     if args.output == "json":
-        collected = list(results)  # validate everything before printing anything
-        for r in collected:
+        for r in results:
             print(r.to_json())
     else:
-        print(render_table(list(results)))
+        print(render_table(results, simulation.skipped))
     return 0
 
 

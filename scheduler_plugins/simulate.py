@@ -8,7 +8,7 @@ counting for the next.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -22,7 +22,12 @@ from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.decide import decide
 from scheduler_plugins.core.explain import explain
 from scheduler_plugins.core.nodes import parse_node
-from scheduler_plugins.core.requests import counts_against_capacity, parse_allocation, parse_request
+from scheduler_plugins.core.requests import (
+    PodRequest,
+    counts_against_capacity,
+    parse_allocation,
+    parse_request,
+)
 from scheduler_plugins.core.state import ClusterState
 
 
@@ -99,10 +104,25 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A cluster object left out of the simulation, and why (the rest goes on)."""
+
+    kind: Literal["Node", "Pod"]
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} skipped: {self.reason}"
+
+
 def build_cluster(
     objects: list[dict[str, Any]], config: DeviceConfig, source: Path
-) -> ClusterState:
+) -> tuple[ClusterState, list[Skipped]]:
+    """The cluster the objects describe. A node whose GPU registration cannot be read is left
+    out (and the pods bound to it), as the live scheduler leaves it out."""
     state = ClusterState(config)
+    skipped: list[Skipped] = []
     seen_nodes: set[str] = set()
     for obj in objects:
         if obj["kind"] != "Node":
@@ -114,10 +134,12 @@ def build_cluster(
         try:
             info = parse_node(obj)
         except InvalidInputError as e:
-            raise SimulationInputError(f"{source}: Node {name}: {_bare(e)}") from e
-        state.upsert_node(
-            info.name, info.devices, cpu_milli=info.cpu_milli, memory_bytes=info.memory_bytes
-        )
+            skipped.append(Skipped("Node", name, _bare(e)))
+            continue
+        skipped.extend(Skipped("Node", name, w) for w in info.warnings)
+        state.upsert_node_info(info)
+    unread = {s.name for s in skipped if s.kind == "Node" and s.name not in state.nodes}
+
     seen_pods: set[str] = set()
     for obj in objects:
         if obj["kind"] != "Pod":
@@ -132,73 +154,89 @@ def build_cluster(
             alloc = parse_allocation(obj)
         except InvalidInputError as e:
             raise SimulationInputError(f"{source}: Pod {key}: {_bare(e)}") from e
+        if alloc is not None and alloc.node in unread:
+            skipped.append(
+                Skipped("Pod", key, f"bound to node {alloc.node}, whose GPUs could not be read")
+            )
+            continue
         if alloc is not None and alloc.node not in state.nodes:
             raise SimulationInputError(
                 f"{source}: Pod {key}: bound to node {alloc.node!r}, which the cluster lacks"
             )
         state.upsert_pod(alloc, key)
-    return state
+    return state, skipped
 
 
-def simulate(cluster_path: Path, pods_path: Path, config: DeviceConfig) -> Iterator[Result]:
-    """Validate both inputs fully, then yield one Result per pod, in order."""
-    state = build_cluster(load_objects(cluster_path), config, cluster_path)
-    pods = load_objects(pods_path)
-    requests = []
-    seen: set[str] = set()
-    for obj in pods:
-        if obj["kind"] != "Pod":
-            raise SimulationInputError(
-                f"{pods_path}: Node {obj['metadata']['name']}: only Pods may be placed"
+class Simulation:
+    """Both inputs validated at construction (``skipped``: what was left out, and why);
+    iterating places the pods one after another, each placement counting for the next."""
+
+    def __init__(self, cluster_path: Path, pods_path: Path, config: DeviceConfig) -> None:
+        self._state, self.skipped = build_cluster(load_objects(cluster_path), config, cluster_path)
+        self._requests: list[PodRequest] = []
+        seen: set[str] = set()
+        for obj in load_objects(pods_path):
+            if obj["kind"] != "Pod":
+                raise SimulationInputError(
+                    f"{pods_path}: Node {obj['metadata']['name']}: only Pods may be placed"
+                )
+            key = pod_key(obj)
+            if key in seen:
+                raise SimulationInputError(f"{pods_path}: Pod {key}: appears twice")
+            seen.add(key)
+            try:
+                self._requests.append(parse_request(obj, config))
+            except InvalidInputError as e:
+                raise SimulationInputError(f"{pods_path}: Pod {key}: {_bare(e)}") from e
+
+    def __iter__(self) -> Iterator[Result]:
+        state = self._state
+        for req in self._requests:
+            if not req.wants_gpu:
+                yield Result(
+                    req.key,
+                    "Scheduled",
+                    None,
+                    {},
+                    "no GPU request: Tessera leaves the node to kube-scheduler's plugins",
+                )
+                continue
+            decision = decide(state, req)
+            node = decision.best_node()
+            if node is None:
+                yield Result(req.key, "Unschedulable", None, {}, explain(decision, state))
+                continue
+            plan = decision.plan_for(node)
+            assert plan is not None
+            i = decision.node_index(node)
+            feasible = decision.feasible_count()
+            total = len(decision.layout.names) + len(decision.layout.gpu_less)
+            gpu_scores = ", ".join(f"{d.gpu_score:.2f}" for c in plan.containers for d in c)
+            kube = int(decision.preference.kube_scores(decision.score[i : i + 1])[0])
+            reason = (
+                f"node score {decision.score[i]:.2f} ({req.node_policy.value}: {kube}/100 to "
+                f"kube-scheduler), GPU score {gpu_scores} ({req.gpu_policy}), "
+                f"{feasible}/{total} nodes feasible"
             )
-        key = pod_key(obj)
-        if key in seen:
-            raise SimulationInputError(f"{pods_path}: Pod {key}: appears twice")
-        seen.add(key)
-        try:
-            requests.append(parse_request(obj, config))
-        except InvalidInputError as e:
-            raise SimulationInputError(f"{pods_path}: Pod {key}: {_bare(e)}") from e
-    for req in requests:
-        if not req.wants_gpu:
-            yield Result(
-                req.key,
-                "Scheduled",
-                None,
-                {},
-                "no GPU request: Tessera leaves the node to kube-scheduler's plugins",
-            )
-            continue
-        decision = decide(state, req)
-        node = decision.best_node()
-        if node is None:
-            yield Result(req.key, "Unschedulable", None, {}, explain(decision, state))
-            continue
-        plan = decision.plan_for(node)
-        assert plan is not None
-        i = decision.node_index(node)
-        feasible = decision.feasible_count()
-        total = len(decision.layout.names) + len(decision.layout.gpu_less)
-        gpu_scores = ", ".join(f"{d.gpu_score:.2f}" for c in plan.containers for d in c)
-        kube = int(decision.preference.kube_scores(decision.score[i : i + 1])[0])
-        reason = (
-            f"node score {decision.score[i]:.2f} ({req.node_policy.value}: {kube}/100 to "
-            f"kube-scheduler), GPU score {gpu_scores} ({req.gpu_policy.value}), "
-            f"{feasible}/{total} nodes feasible"
-        )
-        state.assume(plan.allocation(req.cpu_milli, req.memory_bytes))
-        yield Result(req.key, "Scheduled", node, bind_annotations(plan), reason)
+            state.assume(plan.allocation(req.cpu_milli, req.memory_bytes))
+            yield Result(req.key, "Scheduled", node, bind_annotations(plan), reason)
 
 
-def render_table(results: list[Result]) -> str:
+def simulate(cluster_path: Path, pods_path: Path, config: DeviceConfig) -> Simulation:
+    """``Simulation``: validate both inputs fully; iterate it for one Result per pod."""
+    return Simulation(cluster_path, pods_path, config)
+
+
+def render_table(results: list[Result], skipped: Sequence[Skipped] = ()) -> str:
     rows = [("POD", "STATUS", "NODE", "DEVICES", "REASON")]
     for r in results:
         rows.append((r.pod, r.status, r.node or "-", _devices_summary(r.annotations), r.reason))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join(
+    lines = [
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4]
         for row in rows
-    )
+    ]
+    return "\n".join([*lines, *(f"warning: {s}" for s in skipped)])
 
 
 def _devices_summary(annotations: Mapping[str, str]) -> str:

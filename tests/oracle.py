@@ -1,19 +1,22 @@
 """A plain, GPU-by-GPU evaluation of one scheduling decision: the test oracle of the engine.
 
-Written straight from the contract (SPEC §3) with Python loops and floats, nothing shared with
-the engine but the state it reads and the MIG choice tables (``mig_policy``, tested on their
-own). The engine's verdicts, failure reasons and planned devices must equal what this finds on
-any state; it is slow and for tests only.
+Written straight from the contract (SPEC §3, docs/hami-compatibility.md) with Python loops and
+floats, nothing shared with the engine but the state it reads and the MIG choice tables
+(``mig_policy``, tested on their own). The engine's verdicts, failure reasons and planned
+devices must equal what this finds on any state; it is slow and for tests only.
 
-Per node, container by container (pod order), on each path the pod's mode allows:
+Per node, container by container (pod order), on each path the pod's modes allow:
 
-- hami-core: the node's healthy hami-core GPUs the pod's selectors allow; a GPU fits a device
-  when it has a free slot, the memory, the cores, and is unused if the device asks every core
-  of it. The device count's GPUs are the best by GPU score (binpack: highest; spread:
-  lowest), distinct, ties to the lower GPU position;
-- MIG: the node's healthy MIG GPUs with allowed profiles; each device takes the smallest
-  profile with the memory and cores asked that has a free placement (the choice table), on
-  the best GPU, which counts it before the container's next device.
+- the GPUs a pod considers: healthy, no inconsistent or legacy MIG devices, not cordoned,
+  allowed by its type/UUID selectors, of a mode it names (MPS GPUs are not offered);
+- hami-core: a GPU fits a device when it has a free slot, the memory, the cores, is unused if
+  the device asks every core of it, and (mutex) has nothing on it;
+- MIG: each device takes the smallest profile with the memory and cores asked that has a
+  free placement (the choice table), on the best GPU, which counts it before the next device;
+- the best GPU: by the GPU policy's keys (the highest NUMA node first when numa leads, the GPU
+  score by binpack/spread, the highest NUMA node breaking score ties when numa follows), then
+  the lower position; topology-aware picks by pair scores among the hami-core GPUs that fit;
+  numa-bind evaluates the container on one NUMA node at a time, the highest first.
 
 The path with the better sum (hami-core on a tie) takes the container, and its devices count
 for the pod's next containers.
@@ -21,9 +24,12 @@ for the pod's next containers.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from api.hami.register import GpuDevice
 from scheduler_plugins.core.decide import Decision
 from scheduler_plugins.core.requests import ContainerRequest, PodRequest
 from scheduler_plugins.core.rules import Reason
@@ -44,8 +50,11 @@ class _Gpu:
     used_cores: float
     mask: int
     conflict: int
+    legacy: int
+    cordoned: bool
     healthy: bool
-    is_mig: bool
+    mode: str
+    numa: int
     type: str
     geometry: Geometry | None
 
@@ -67,23 +76,22 @@ class Verdict:
     plan: list[list[Device]] = field(default_factory=list)  # per GPU container
 
 
-def _score(g: _Gpu, used: tuple[float, float, float], req_mem: float, req_cores: float) -> float:
+Found = tuple[float, list[Device]] | None  # (sum of desirability, devices) or nothing
+
+
+def _score(
+    g: _Gpu, used: tuple[float, float, float], req_mem: float, req_cores: float, w: PodRequest
+) -> float:
     us, um, uc = used
+    ws, wc, wm = w.weights.slot, w.weights.core, w.weights.memory
     try:
-        s = ((1 + us) / g.slots + (req_cores + uc) / g.cores + (req_mem + um) / g.mem) * 10
+        a = (1 + us) / g.slots
+        b = (req_cores + uc) / g.cores
+        c = (req_mem + um) / g.mem
     except ZeroDivisionError:
         return 0.0
-    if math.isnan(s):
-        return 0.0
-    return s
-
-
-def _best(candidates: list[tuple[int, float]]) -> int | None:
-    """The first candidate (in GPU order) whose desirability is within the tie of the top."""
-    if not candidates:
-        return None
-    top = max(d for _, d in candidates)
-    return next(i for i, d in candidates if d >= top - _TIE)
+    s = (a + b + c) * 10 if w.weights.default else (a * ws + b * wc + c * wm) * 10
+    return 0.0 if math.isnan(s) else s
 
 
 def _type_ok(gpu_type: str, request: PodRequest) -> bool:
@@ -110,6 +118,7 @@ def _gpus(state: ClusterState, node: str) -> list[_Gpu]:
     entry = state.nodes[node]
     g = state.gpus
     out = []
+    d: GpuDevice
     for pos, d in enumerate(entry.devices):
         r = entry.rows[d.id]
         gid = int(g.geom[r])
@@ -125,8 +134,11 @@ def _gpus(state: ClusterState, node: str) -> list[_Gpu]:
                 used_cores=float(g.used_cores[r]),
                 mask=int(g.mig_mask[r]),
                 conflict=int(g.conflict[r]),
+                legacy=int(g.legacy[r]),
+                cordoned=d.id in entry.cordoned,
                 healthy=d.health,
-                is_mig=d.mode == "mig",
+                mode=d.mode,
+                numa=d.numa,
                 type=d.type,
                 geometry=state.geometries[gid] if d.mode == "mig" and gid >= 0 else None,
             )
@@ -139,55 +151,112 @@ def evaluate(state: ClusterState, request: PodRequest) -> dict[str, Verdict]:
     return {name: _node(state, name, request) for name in sorted(state.nodes)}
 
 
+class _Order:
+    """The GPU policy's order of GPUs: which of several candidates a device takes first."""
+
+    def __init__(self, request: PodRequest) -> None:
+        self.numa_rank = request.gpu_policy.numa_rank
+
+    def key(self, gp: _Gpu, desir: float, top: float) -> tuple[float, ...]:
+        """Smaller is better; ``top``: the best desirability among the candidates (ties)."""
+        tied = desir >= top - _TIE
+        return (
+            -gp.numa if self.numa_rank == 0 else 0,
+            0 if tied else 1,
+            -desir if not tied else 0,
+            -gp.numa if self.numa_rank == 1 else 0,
+            gp.pos,
+        )
+
+    def best(self, candidates: list[tuple[_Gpu, float]]) -> tuple[_Gpu, float] | None:
+        if not candidates:
+            return None
+        if self.numa_rank == 0:
+            top_numa = max(gp.numa for gp, _ in candidates)
+            candidates = [(gp, d) for gp, d in candidates if gp.numa == top_numa]
+        top = max(d for _, d in candidates)
+        return min(candidates, key=lambda c: self.key(c[0], c[1], top))
+
+    def ranked(self, candidates: list[tuple[_Gpu, float]]) -> list[_Gpu]:
+        """All ``candidates`` in the order repeated ``best`` takes them (rounded ties)."""
+
+        def key(c: tuple[_Gpu, float]) -> tuple[float, ...]:
+            gp, d = c
+            return (
+                -gp.numa if self.numa_rank == 0 else 0,
+                -round(d, 9),
+                -gp.numa if self.numa_rank == 1 else 0,
+                gp.pos,
+            )
+
+        return [gp for gp, _ in sorted(candidates, key=key)]
+
+
 def _node(state: ClusterState, node: str, request: PodRequest) -> Verdict:
     gpus = _gpus(state, node)
     if not gpus:
         return Verdict(False, int(Reason.NO_GPU))
-    allow_core = request.mode in (None, "hami-core")
-    allow_mig = request.mode in (None, "mig")
+    allowed = request.modes
     bits = {gp.pos: 0 for gp in gpus}
-    base: dict[int, bool] = {}
     for gp in gpus:
         b = 0
         if not gp.healthy:
             b |= Reason.UNHEALTHY
         elif gp.conflict:
             b |= Reason.MIG_CONFLICT
+        if gp.legacy:
+            b |= Reason.MIG_LEGACY
+        if gp.cordoned:
+            b |= Reason.CORDONED
         if not _type_ok(gp.type, request):
             b |= Reason.TYPE
         if not _uuid_ok(gp.uuid, request):
             b |= Reason.UUID
-        if (gp.is_mig and not allow_mig) or (not gp.is_mig and not allow_core):
+        accepted = allowed is None or gp.mode in allowed
+        if not accepted:
             b |= Reason.MODE
-        bits[gp.pos] |= b
-        base[gp.pos] = (b & ~Reason.MODE) == 0
-        if base[gp.pos] and gp.is_mig and allow_mig and gp.geometry is None:
-            bits[gp.pos] |= Reason.MIG_NO_PROFILE
+        elif gp.mode == "mps":
+            b |= Reason.MPS
+        if not b and gp.mode == "mig" and gp.geometry is None:
+            b |= Reason.MIG_NO_PROFILE
+        bits[gp.pos] = b
+    core_gpus = [gp for gp in gpus if not bits[gp.pos] and gp.mode == "hami-core"]
+    mig_gpus = [gp for gp in gpus if not bits[gp.pos] and gp.mode == "mig"]
+    pairs = state.nodes[node].pair_scores if request.gpu_policy.topology_aware else None
+    order = _Order(request)
     node_bits = 0
     feasible = True
     plan: list[list[Device]] = []
     remaining = request.device_count
-    sign = request.gpu_policy.sign
+    sign = request.gpu_policy.score_sign
     for c in request.containers:
         remaining -= c.count
-        options: list[tuple[float, list[Device], str]] = []
-        if allow_core:
-            found, why, extra = _core(
-                gpus, [gp for gp in gpus if base[gp.pos] and not gp.is_mig], c, sign
+        options: list[tuple[float, list[Device]]] = []
+        paths: list[tuple[list[_Gpu], Callable[[list[_Gpu]], tuple[Found, dict[int, int], int]]]]
+        paths = []
+        if core_gpus:
+            paths.append(
+                (core_gpus, lambda gs: _core(gs, c, sign, order, request, pairs))  # noqa: B023
             )
+        if mig_gpus:
+            paths.append((mig_gpus, lambda gs: _mig(gs, c, sign, order, request)))  # noqa: B023
+        for eligible, run in paths:
+            found, why, extra = run(eligible)
+            if request.numa_bind:
+                fits_anywhere = found is not None
+                found = None
+                for u in sorted({gp.numa for gp in eligible}, reverse=True):
+                    found = run([gp for gp in eligible if gp.numa == u])[0]
+                    if found is not None:
+                        break
+                if fits_anywhere and found is None:
+                    extra |= Reason.NUMA
             node_bits |= extra
             for pos, b in why.items():
                 bits[pos] |= b
             if found is not None:
-                options.append((*found, "core"))
-        if allow_mig:
-            mig_gpus = [gp for gp in gpus if base[gp.pos] and gp.is_mig and gp.geometry is not None]
-            found, why = _mig(mig_gpus, c, sign)
-            for pos, b in why.items():
-                bits[pos] |= b
-            if found is not None:
-                options.append((*found, "mig"))
-        chosen: tuple[float, list[Device], str] | None = None
+                options.append(found)
+        chosen: tuple[float, list[Device]] | None = None
         for option in options:
             if chosen is None or option[0] > chosen[0]:
                 chosen = option
@@ -212,10 +281,15 @@ def _req_mem(gp: _Gpu, c: ContainerRequest) -> float:
 
 
 def _core(
-    gpus: list[_Gpu], eligible: list[_Gpu], c: ContainerRequest, sign: float
-) -> tuple[tuple[float, list[Device]] | None, dict[int, int], int]:
+    eligible: list[_Gpu],
+    c: ContainerRequest,
+    sign: float,
+    order: _Order,
+    request: PodRequest,
+    pairs: object,
+) -> tuple[Found, dict[int, int], int]:
     why: dict[int, int] = {}
-    fitting: list[tuple[int, float]] = []
+    fitting: list[tuple[_Gpu, float]] = []
     for gp in eligible:
         req_mem = _req_mem(gp, c)
         b = 0
@@ -227,30 +301,57 @@ def _core(
             b |= Reason.CORES
         if not (c.cores < gp.cores or gp.used_slots == 0):
             b |= Reason.EXCLUSIVE
+        if request.gpu_policy.mutex and gp.used_slots != 0:
+            b |= Reason.MUTEX
         why[gp.pos] = b
         if not b:
             used = (gp.used_slots, gp.used_mem, gp.used_cores)
-            fitting.append((gp.pos, _score(gp, used, req_mem, c.cores) * sign))
+            fitting.append((gp, _score(gp, used, req_mem, c.cores, request) * sign))
     extra = 0
     if c.count > 1 and 0 < len(fitting) < c.count:
         extra = Reason.TOO_FEW_FITTING
-    devices: list[Device] = []
+    if len(fitting) < c.count:
+        return None, why, extra
+    desir = {gp.pos: d for gp, d in fitting}
+    if pairs is not None:
+        picked = _topology([gp for gp in order.ranked(fitting)], c.count, pairs)  # type: ignore[arg-type]
+    else:
+        picked = []
+        left = list(fitting)
+        for _ in range(c.count):
+            best = order.best(left)
+            assert best is not None
+            picked.append(best[0])
+            left = [x for x in left if x[0].pos != best[0].pos]
     total = 0.0
-    left = list(fitting)
-    for _ in range(c.count):
-        pos = _best(left)
-        if pos is None:
-            return None, why, extra
-        d = next(d for p, d in left if p == pos)
-        left = [(p, x) for p, x in left if p != pos]
-        total += d
-        devices.append(Device(pos, -1, -1, d * sign))
+    devices = []
+    for gp in picked:
+        total += desir[gp.pos]
+        devices.append(Device(gp.pos, -1, -1, desir[gp.pos] * sign))
     return (total, devices), why, extra
 
 
+def _topology(ranked: list[_Gpu], n: int, pairs: dict[str, dict[str, int]]) -> list[_Gpu]:
+    """topology-aware among the fitting GPUs (``ranked``: in the policy's order)."""
+
+    def s(a: _Gpu, b: _Gpu) -> int:
+        return pairs.get(a.uuid, {}).get(b.uuid, 0)
+
+    if n == 1:
+        links = [(sum(s(d, e) for e in ranked if e is not d), i) for i, d in enumerate(ranked)]
+        return [ranked[min(links)[1]]]
+    best: tuple[int, tuple[int, ...]] | None = None
+    for combo in itertools.combinations(range(len(ranked)), n):
+        total = sum(s(ranked[i], ranked[j]) for i, j in itertools.combinations(combo, 2))
+        if best is None or total > best[0]:
+            best = (total, combo)
+    assert best is not None
+    return [ranked[i] for i in best[1]]
+
+
 def _mig(
-    eligible: list[_Gpu], c: ContainerRequest, sign: float
-) -> tuple[tuple[float, list[Device]] | None, dict[int, int]]:
+    eligible: list[_Gpu], c: ContainerRequest, sign: float, order: _Order, request: PodRequest
+) -> tuple[Found, dict[int, int], int]:
     why: dict[int, int] = {}
     # The container's earlier devices count for its later ones (on copies: another path may
     # take the container).
@@ -258,7 +359,7 @@ def _mig(
     devices: list[Device] = []
     total = 0.0
     for k in range(c.count):
-        options: list[tuple[int, float]] = []
+        options: list[tuple[_Gpu, float]] = []
         choice: dict[int, tuple[int, int]] = {}
         for gp in eligible:
             assert gp.geometry is not None
@@ -266,10 +367,11 @@ def _mig(
             table = gp.geometry.table
             minr = _min_rank(
                 gp.geometry,
-                float(c.mem_mib) if c.mem_mib else gp.mem * c.mem_percent // 100,
+                float(c.mem_mib) if c.mem_mib else math.floor(gp.mem * c.mem_percent / 100),
                 c.cores,
             )
-            got = table.choose(mask, minr) if minr is not None else None
+            got = table.choose(int(mask), minr) if minr is not None else None
+            mutex_bad = request.gpu_policy.mutex and us != 0
             if k == 0:
                 b = 0 if us < gp.slots else Reason.SLOTS
                 if minr is None:
@@ -277,37 +379,34 @@ def _mig(
                 elif got is None:
                     b |= (
                         Reason.MIG_FRAGMENTATION
-                        if table.is_fragmented(mask, minr)
+                        if table.is_fragmented(int(mask), minr)
                         else Reason.MIG_CAPACITY
                     )
+                if mutex_bad:
+                    b |= Reason.MUTEX
                 why[gp.pos] = b
-            if got is None or not us < gp.slots:
+            if got is None or not us < gp.slots or mutex_bad:
                 continue
             rank, start = got
             prof = gp.geometry.profiles[rank]
-            d = _score(gp, (us, um, uc), float(prof.memory_mb), float(prof.core)) * sign
-            options.append((gp.pos, d))
+            d = _score(gp, (us, um, uc), float(prof.memory_mb), float(prof.core), request) * sign
+            options.append((gp, d))
             choice[gp.pos] = got
-        pos = _best(options)
-        if pos is None:
-            return None, why
-        d = next(d for p, d in options if p == pos)
-        rank, start = choice[pos]
-        gp = next(gp for gp in eligible if gp.pos == pos)
+        best = order.best(options)
+        if best is None:
+            return None, why, 0
+        gp, d = best
+        rank, start = choice[gp.pos]
         assert gp.geometry is not None
         prof = gp.geometry.profiles[rank]
-        u = used[pos]
+        u = used[gp.pos]
         u[0] += 1
         u[1] += prof.memory_mb
         u[2] += prof.core
-        u[3] = int(u[3]) | table_mask(gp.geometry, rank, start)
+        u[3] = int(u[3]) | gp.geometry.table.placement(rank, start).mask
         total += d
-        devices.append(Device(pos, rank, start, d * sign))
-    return (total, devices), why
-
-
-def table_mask(geom: Geometry, rank: int, start: int) -> int:
-    return geom.table.placement(rank, start).mask
+        devices.append(Device(gp.pos, rank, start, d * sign))
+    return (total, devices), why, 0
 
 
 def _commit(gpus: list[_Gpu], c: ContainerRequest, devices: list[Device]) -> None:
@@ -320,7 +419,7 @@ def _commit(gpus: list[_Gpu], c: ContainerRequest, devices: list[Device]) -> Non
             prof = gp.geometry.profiles[d.rank]
             gp.used_mem += prof.memory_mb
             gp.used_cores += prof.core
-            gp.mask |= table_mask(gp.geometry, d.rank, d.start)
+            gp.mask |= gp.geometry.table.placement(d.rank, d.start).mask
         else:
             gp.used_mem += c.mem_mib if c.mem_mib else gp.mem * c.mem_percent // 100
             gp.used_cores += c.cores
@@ -338,11 +437,8 @@ def assert_agrees(state: ClusterState, request: PodRequest, d: Decision) -> None
         v = want[name]
         assert bool(d.feasible[s]) == v.feasible, name
         if not v.feasible:
-            assert int(d.reasons[s]) == v.reasons, (
-                name,
-                Reason(int(d.reasons[s])),
-                Reason(v.reasons),
-            )
+            got_bits, want_bits = Reason(int(d.reasons[s])), Reason(v.reasons)
+            assert got_bits == want_bits, (name, got_bits, want_bits)
             continue
         plan = d.plan_for(name)
         assert plan is not None

@@ -1,7 +1,8 @@
 """Codecs of the pod annotations the scheduler writes and the node agent completes.
 
 - ``hami.io/vgpu-devices-allocated`` / ``-to-allocate``: per device ``UUID,NVIDIA,<mem>,<cores>:``,
-  each container's list closed by ``;``, containers in pod order (init containers first).
+  each container's list closed by ``;``, containers in pod order (init containers first). The
+  UUID of a device HAMi <= v2.9 placed on MIG carries ``[<template>-<slot>]`` (``legacy``).
 - ``hami.io/vgpu-mig-allocations``: JSON array, one entry per MIG device.
 - ``hami.io/bind-phase`` and ``hami.io/bind-time``.
 All decoders are strict: anything off the format raises InvalidAnnotationError.
@@ -29,12 +30,22 @@ from api.hami.register import Placement
 
 @dataclass(frozen=True)
 class DeviceAlloc:
-    """One vGPU of one container: physical GPU, memory (MiB) and cores (percent)."""
+    """One vGPU of one container: physical GPU, memory (MiB) and cores (percent).
+
+    ``legacy``: the ``<template>-<slot>`` a HAMi <= v2.9 MIG device carries after its GPU's
+    UUID (``GPU-…[1-1]``): an instance of that GPU whose placement the string does not say
+    (the template indexes the old ``knownMigGeometries``, the slot the MIG device's NVML
+    index). Only read, never written by Tessera."""
 
     uuid: str
     mem: int
     cores: int
     vendor: str = "NVIDIA"
+    legacy: str | None = None
+
+    @property
+    def written_uuid(self) -> str:
+        return self.uuid if self.legacy is None else f"{self.uuid}[{self.legacy}]"
 
 
 ContainerDevices = tuple[DeviceAlloc, ...]
@@ -42,11 +53,15 @@ PodDevices = tuple[ContainerDevices, ...]
 
 # \A…\Z, not ^…$: '$' also matches before a trailing newline.
 _UUID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
+# A device's UUID field: the GPU's, with a HAMi <= v2.9 MIG suffix ``[<template>-<slot>]``.
+_DEVICE_UUID_RE = re.compile(
+    r"\A(?P<uuid>[A-Za-z0-9][A-Za-z0-9_.\-]*)(?:\[(?P<legacy>[0-9]{1,6}-[0-9]{1,6})\])?\Z"
+)
 
 
 def encode_devices(pod_devices: PodDevices) -> str:
     return "".join(
-        "".join(f"{d.uuid},{d.vendor},{d.mem},{d.cores}:" for d in container) + ";"
+        "".join(f"{d.written_uuid},{d.vendor},{d.mem},{d.cores}:" for d in container) + ";"
         for container in pod_devices
     )
 
@@ -74,9 +89,10 @@ def decode_devices(value: str, *, key: str = DEVICES_ALLOCATED, obj: str = "") -
                     f"container {ci} device {di}: expected UUID,VENDOR,MEM,CORES, "
                     f"got {short_repr(dev)}"
                 )
-            uuid, vendor, mem_s, cores_s = parts
-            if not _UUID_RE.match(uuid):
-                raise bad(f"container {ci} device {di}: invalid GPU UUID {short_repr(uuid)}")
+            uuid_field, vendor, mem_s, cores_s = parts
+            m = _DEVICE_UUID_RE.match(uuid_field)
+            if m is None:
+                raise bad(f"container {ci} device {di}: invalid GPU UUID {short_repr(uuid_field)}")
             if not vendor:
                 raise bad(f"container {ci} device {di}: empty vendor")
             if not _is_decimal(mem_s) or not _is_decimal(cores_s):
@@ -87,7 +103,7 @@ def decode_devices(value: str, *, key: str = DEVICES_ALLOCATED, obj: str = "") -
             mem, cores = int(mem_s), int(cores_s)
             if mem > 2**31 - 1 or cores > 100:
                 raise bad(f"container {ci} device {di}: memory {mem} or cores {cores} out of range")
-            devices.append(DeviceAlloc(uuid, mem, cores, vendor))
+            devices.append(DeviceAlloc(m["uuid"], mem, cores, vendor, m["legacy"]))
         containers.append(tuple(devices))
     return tuple(containers)
 

@@ -1,7 +1,10 @@
 """Codec of ``hami.io/node-nvidia-register``: one JSON object per GPU of a node.
 
-Encoding is byte-exact with the contract (compact JSON, fixed key order, zero values
-written). Decoding accepts HAMi's encoder too, which omits zero/false fields.
+Encoding is byte-exact with HAMi v2.10's device plugin (compact JSON, its struct's key order,
+zero, false and empty fields left out). Decoding accepts every form a HAMi <= v2.10 plugin or an
+earlier Tessera wrote: zero fields written or left out, v2.8/v2.9's trailing
+``"devicepairscore":{}`` (unknown keys are ignored), ``"mode":"mps"``, a missing mode
+(hami-core).
 """
 
 from __future__ import annotations
@@ -58,33 +61,44 @@ class GpuDevice:
 
 
 def encode(devices: list[GpuDevice] | tuple[GpuDevice, ...]) -> str:
-    return json.dumps([_device_json(d) for d in devices], separators=(",", ":"))
+    """The bytes HAMi's device plugin writes for the same GPUs: Go ``encoding/json`` of its
+    ``DeviceInfo`` list, keys in struct order, every field ``omitempty``."""
+    text = json.dumps([_device_json(d) for d in devices], separators=(",", ":"), ensure_ascii=False)
+    return text.translate(_GO_ESCAPES)
+
+
+# Go's encoder writes UTF-8 as is, but escapes these (HTML-safe JSON); they occur in strings only.
+_GO_ESCAPES = str.maketrans(
+    {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
 
 
 def _device_json(d: GpuDevice) -> dict[str, object]:
-    out: dict[str, object] = {
-        "id": d.id,
-        "index": d.index,
-        "count": d.count,
-        "devmem": d.devmem,
-        "devcore": d.devcore,
-        "type": d.type,
-        "numa": d.numa,
-        "health": d.health,
-        "mode": d.mode,
-    }
-    if d.mig_profiles:
-        out["migProfiles"] = [
-            {
-                "name": p.name,
-                "memoryMB": p.memory_mb,
-                "core": p.core,
-                "sliceCount": p.slice_count,
-                "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements],
-            }
-            for p in d.mig_profiles
-        ]
+    out: dict[str, object] = {"id": d.id}
+    # (key, value) in HAMi's struct order; zero values (0, "", false, no profiles) are left out.
+    fields: tuple[tuple[str, object], ...] = (
+        ("index", d.index),
+        ("count", d.count),
+        ("devmem", d.devmem),
+        ("devcore", d.devcore),
+        ("type", d.type),
+        ("numa", d.numa),
+        ("mode", d.mode),
+        ("migProfiles", [_profile_json(p) for p in d.mig_profiles]),
+        ("health", d.health),
+    )
+    out.update((key, value) for key, value in fields if value)
     return out
+
+
+def _profile_json(p: MigProfile) -> dict[str, object]:
+    return {
+        "name": p.name,
+        "memoryMB": p.memory_mb,
+        "core": p.core,
+        "sliceCount": p.slice_count,
+        "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements],
+    }
 
 
 def decode(value: str, *, obj: str = "") -> tuple[GpuDevice, ...]:

@@ -183,9 +183,15 @@ class ClusterCache:
         name = str(meta.get("name", ""))
         if not name:
             return
-        raw = _dict(meta.get("annotations")).get(ann.NODE_REGISTER)
+        annotations = _dict(meta.get("annotations"))
         alloc = _dict(_dict(node.get("status")).get("allocatable"))
-        fp = (raw, alloc.get("cpu"), alloc.get("memory"))
+        fp = (
+            annotations.get(ann.NODE_REGISTER),
+            annotations.get(ann.DEVICE_CORDON),
+            annotations.get(ann.NODE_PAIR_SCORES),
+            alloc.get("cpu"),
+            alloc.get("memory"),
+        )
         with self.lock:
             if self._node_seen.get(name) == fp:
                 return
@@ -200,10 +206,10 @@ class ClusterCache:
                 )
                 stripped = {**node, "metadata": {**meta, "annotations": {}}}
                 info = parse_node(stripped)
+            for warning in info.warnings:
+                log.warning("node annotation unreadable", node=name, error=warning)
             self._mutating()
-            self.state.upsert_node(
-                name, info.devices, cpu_milli=info.cpu_milli, memory_bytes=info.memory_bytes
-            )
+            self.state.upsert_node_info(info)
 
     def delete_node(self, name: str) -> None:
         with self.lock:

@@ -14,6 +14,8 @@ state it was computed from.
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -334,11 +336,13 @@ def decide(state: ClusterState, request: PodRequest) -> Decision:
 @dataclass(frozen=True)
 class _Masks:
     """What a request excludes regardless of usage: GPU types and UUIDs (by its selectors), and
-    every GPU with inconsistent MIG reservations when there is any (``conflict``)."""
+    every GPU refused as a whole (inconsistent MIG reservations, legacy MIG devices, cordoned)
+    when there is any (``blocked``)."""
 
     ok_types: B | None  # by type id
     uuid_ok: B | None  # by GPU row
-    conflict: bool
+    blocked: bool
+    pairs: F64 | None = None  # topology-aware: GPU pair scores of the hami-core table [P, W, W]
 
 
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
@@ -364,7 +368,8 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
                 or [True],
                 np.bool_,
             )
-        masks = _Masks(ok_types, uuid_ok, bool(state.gpus.conflict[:n].any()))
+        pairs = _pair_scores(state, layout, owned) if request.gpu_policy.topology_aware else None
+        masks = _Masks(ok_types, uuid_ok, bool(state.gpus.blocked[:n].any()), pairs)
         score = _node_scores(state, layout)
         feasible, evaluated = _feasible(state, layout, request, masks, owned, score, preference)
     return Decision(request, layout, feasible, score, preference, state, masks, reasons, evaluated)
@@ -398,6 +403,9 @@ def _feasible(
     S = len(layout.names)
     if not request.containers:
         return np.ones(S, np.bool_), None
+    if request.numa_bind:  # counts over a node's GPUs can't tell where one NUMA node fits
+        ok, plans = _evaluate(state, layout, request, masks, None, owned)
+        return ok, _Evaluated(None, plans)
     paths = _paths(state, layout, request, masks, owned, None, kept_usage=owned)
     sure = np.ones(S, np.bool_)
     possible = sure.copy()
@@ -453,7 +461,7 @@ def _paths(
     or only the rows of segments ``segs``. ``kept_usage``: the paths read the usage each table
     keeps (``_kept_usage``; ``src`` is the state, the tables' scratch is owned) and must not
     count devices in it."""
-    allow_core, allow_mig = rules.modes(request.mode)
+    allow_core, allow_mig = rules.modes(request.modes)
     paths: list[_Path] = []
     for allow, table, mig in ((allow_core, layout.core, False), (allow_mig, layout.mig, True)):
         if not allow or table is None or not table.nodes.size:
@@ -466,13 +474,33 @@ def _paths(
                 assert isinstance(src, ClusterState) and owned
                 usage = _kept_usage(src, table, mig)
             paths.append(
-                _Path(src, table, masks, mig=mig, scratch=scratch, memo=memo, usage=usage, why=why)
+                _Path(
+                    src,
+                    table,
+                    masks,
+                    request,
+                    mig=mig,
+                    scratch=scratch,
+                    memo=memo,
+                    usage=usage,
+                    why=why,
+                )
             )
             continue
         sub = _rows_of(table, segs, memo)
         if sub is not None:
             paths.append(
-                _Path(src, sub, masks, mig=mig, scratch=Scratch(), memo=memo, full=table, why=why)
+                _Path(
+                    src,
+                    sub,
+                    masks,
+                    request,
+                    mig=mig,
+                    scratch=Scratch(),
+                    memo=memo,
+                    full=table,
+                    why=why,
+                )
             )
     return paths
 
@@ -528,7 +556,7 @@ def _evaluate(
     feasible = np.ones(S, np.bool_)
     plans: list[_ContainerPlan] = []
     remaining = request.device_count
-    sign = request.gpu_policy.sign
+    sign = request.gpu_policy.score_sign
     ok_c = work.get("ok_c", (S,), np.bool_)
     desir_c = work.get("desir_c", (S,), np.float64)
     winner = work.get("winner", (S,), np.int64)  # the path each node's devices come from
@@ -543,7 +571,10 @@ def _evaluate(
         winner.fill(-1)
         outs: list[_PathResult] = []
         for i, path in enumerate(paths):
-            res = path.mig_path(c, sign) if path.mig else path.core_path(c, sign)
+            if request.numa_bind:
+                res = path.numa_bound(c, sign)
+            else:
+                res = path.mig_path(c, sign) if path.mig else path.core_path(c, sign)
             outs.append(res)
             nodes = path.table.nodes
             if why is not None and res.why is not None:
@@ -572,19 +603,36 @@ def _evaluate(
     return feasible, plans
 
 
+# topology-aware weighs every set of GPUs a container could take on a node up to this many
+# sets (8 GPUs choose 4: 70); beyond, the devices go the GPU policy's order.
+_MAX_COMBINATIONS = 5000
+
 # Tables up to this many positions (a few nodes' rows) are evaluated with plain expressions:
 # for them, what a numpy call costs is its call, and work arrays only add calls.
 _SMALL = 256
 
 
-def _pick(desir: F64, avail: B, work: Scratch) -> tuple[I64, B]:
+def _pick(
+    desir: F64,
+    avail: B,
+    work: Scratch,
+    numa: npt.NDArray[np.int16] | None = None,
+    numa_rank: int = -1,
+) -> tuple[I64, B]:
     """Per table row: the first column with the maximum ``desir`` among ``avail`` columns
-    (``desir`` finite). Column-wise maxima: numpy's axis-1 reductions over 8 columns are slow."""
+    (``desir`` finite). With ``numa`` (per column) and ``numa_rank`` 0, only the columns of the
+    row's highest NUMA node among ``avail`` compete; with ``numa_rank`` 1, the highest NUMA node
+    breaks ties of ``desir`` (the GPU policy's sort keys in their order). Column-wise maxima:
+    numpy's axis-1 reductions over 8 columns are slow."""
+    if numa is not None and numa_rank == 0:
+        best_numa = np.where(avail, numa, -1).max(axis=1)
+        avail = avail & (numa == best_numa[:, None])
     shape = desir.shape
     if desir.size <= _SMALL:  # the same maxima and comparisons, in fewer calls
         v0 = desir + _OK_OFFSET[avail.view(np.uint8)]
         top0 = v0.max(axis=1)
-        return (v0 >= (top0 - 1e-9)[:, None]).argmax(axis=1), top0 > -np.inf
+        at_top0 = v0 >= (top0 - 1e-9)[:, None]
+        return _first(at_top0, numa, numa_rank), top0 > -np.inf
     v = work.get("pick_v", shape, np.float64)  # desir, -inf where not available
     np.take(_OK_OFFSET, avail.view(np.uint8), out=v, mode="clip")
     np.add(desir, v, out=v)
@@ -596,8 +644,18 @@ def _pick(desir: F64, avail: B, work: Scratch) -> tuple[I64, B]:
     top -= 1e-9
     at_top = work.get("pick_at_top", shape, np.bool_)
     np.greater_equal(v, top[:, None], out=at_top)
-    first = at_top.argmax(axis=1)
-    return first, found
+    return _first(at_top, numa, numa_rank), found
+
+
+def _first(at_top: B, numa: npt.NDArray[np.int16] | None, numa_rank: int) -> I64:
+    """Per row, the first ``at_top`` column, or with ``numa_rank`` 1 the first of the highest
+    NUMA node among them."""
+    if numa is None or numa_rank != 1:
+        first: I64 = at_top.argmax(axis=1)
+        return first
+    tied_numa = np.where(at_top, numa.astype(np.int32), -1)
+    best: I64 = (tied_numa == tied_numa.max(axis=1)[:, None]).argmax(axis=1)
+    return best
 
 
 # Each row's W booleans read as one unsigned word: times 0x0101...01, the top byte is their sum.
@@ -634,12 +692,14 @@ class _TableRows:
     mem: F64
     cores: F64
     type_id: npt.NDArray[np.int32]
+    numa: npt.NDArray[np.int16]
     min_cores: float
     lut_off: I64 | None
     lut_stride: I64 | None
     lut_full: I64 | None
     lut: ChoiceLuts | None
     flat: I64 | slice
+    sel: I64 | slice  # its rows in the full table
 
     @staticmethod
     def of(table: PathTable, segs: I64) -> _TableRows | None:
@@ -669,12 +729,14 @@ class _TableRows:
             mem=table.mem[sel],
             cores=table.cores[sel],
             type_id=table.type_id[sel],
+            numa=table.numa[sel],
             min_cores=table.min_cores,
             lut_off=part(table.lut_off),
             lut_stride=part(table.lut_stride),
             lut_full=part(table.lut_full),
             lut=table.lut,
             flat=flat,
+            sel=sel,
         )
 
 
@@ -712,6 +774,32 @@ class _PathResult:
     why: I64 | None = None  # [P] reasons of the checks that failed (only when asked)
 
 
+def _merged(kept: _PathResult | None, res: _PathResult) -> _PathResult:
+    """``kept`` with the rows where ``res`` found the devices and ``kept`` did not (a copy of
+    ``res`` at first: results are work arrays)."""
+    if kept is None:
+        return _PathResult(
+            res.ok.copy(),
+            res.desir.copy(),
+            res.rows.copy(),
+            res.scores.copy(),
+            res.pos.copy(),
+            None if res.rank is None else res.rank.copy(),
+            None if res.start is None else res.start.copy(),
+        )
+    take = res.ok & ~kept.ok
+    kept.ok |= take
+    kept.desir[take] = res.desir[take]
+    kept.rows[take] = res.rows[take]
+    kept.scores[take] = res.scores[take]
+    kept.pos[take] = res.pos[take]
+    if kept.rank is not None and res.rank is not None:
+        kept.rank[take] = res.rank[take]
+    if kept.start is not None and res.start is not None:
+        kept.start[take] = res.start[take]
+    return kept
+
+
 class _Path:
     """One path's (hami-core or MIG) GPUs for one decision: usage gathered into the path's
     dense per-node table (or some of its rows) once; containers' planned devices are counted in
@@ -729,6 +817,7 @@ class _Path:
         src: _StateLike,
         table: PathTable | _TableRows,
         masks: _Masks,
+        request: PodRequest,
         *,
         mig: bool,
         scratch: Scratch,
@@ -739,6 +828,14 @@ class _Path:
     ) -> None:
         g = src.gpus
         self.why = why
+        policy = request.gpu_policy
+        self.weights = None if request.weights.default else request.weights
+        self.mutex = policy.mutex
+        self.numa_rank = policy.numa_rank
+        # topology-aware hami-core devices: the rows' GPU pair scores [P, W, W]
+        self.pairs: F64 | None = None
+        if policy.topology_aware and not mig and masks.pairs is not None:
+            self.pairs = masks.pairs if isinstance(table, PathTable) else masks.pairs[table.sel]
         self.src = src
         self.table = table
         self.full = full  # the table ``table`` is some rows of; None: ``table`` is full
@@ -749,7 +846,7 @@ class _Path:
         self.shape: tuple[int, int] = (idx.shape[0], idx.shape[1])
         ok = table.ok
         ok_types, uuid_ok = masks.ok_types, masks.uuid_ok
-        if ok_types is not None or uuid_ok is not None or masks.conflict:
+        if ok_types is not None or uuid_ok is not None or masks.blocked:
             ok = sc.get("ok", self.shape, np.bool_)
             tmp = sc.get("b0", self.shape, np.bool_)
             np.copyto(ok, table.ok)
@@ -757,9 +854,8 @@ class _Path:
                 ok &= np.take(ok_types, table.type_id, out=tmp, mode="clip")
             if uuid_ok is not None:
                 ok &= np.take(uuid_ok, idx, out=tmp, mode="clip")
-            if masks.conflict:
-                gc = np.take(g.conflict, idx, out=sc.get("i32", self.shape, np.int32), mode="clip")
-                ok &= np.equal(gc, 0, out=tmp)
+            if masks.blocked:
+                ok &= ~np.take(g.blocked, idx, out=tmp, mode="clip")
         self.ok = ok
         if usage is not None:  # read-only: ``commit`` must not be called
             self.slots, self.mem, self.cores, self.mask = usage
@@ -889,6 +985,7 @@ class _Path:
             c.cores,
             # else every card has more cores than asked: no exclusivity
             exclusive_possible=c.cores >= self.table.min_cores,
+            mutex=self.mutex,
             out=(
                 (
                     sc.get("b0", shape, np.bool_),
@@ -913,7 +1010,9 @@ class _Path:
         work = pos is None and self.ok.size > _SMALL
         fit, req_mem, why = self._core_fit(c, cols, work=work)
         out = self._score_out(fit.shape) if work else None
-        desir = rules.gpu_score(cols.cap, cols.used, req_mem, float(c.cores), out)
+        desir = rules.gpu_score(
+            cols.cap, cols.used, req_mem, float(c.cores), out, weights=self.weights
+        )
         desir *= sign
         return fit, desir, why
 
@@ -938,10 +1037,13 @@ class _Path:
             ("rows", "scores", "pos", "total", "found_all"),
             (np.int64(-1), 0.0, np.int64(-1), 0.0, True),
         )
+        if self.pairs is not None:
+            self._topology(c, sign, fit, desir, rows, scores, pos, total, found_all)
+            return _PathResult(found_all, total, rows, scores, pos, why=self._core_why(c, fit, why))
         avail = fit
         flat_d = desir.ravel()
         for k in range(c.count):
-            first, found = _pick(desir, avail, self.scratch)
+            first, found = _pick(desir, avail, self.scratch, self.table.numa, self.numa_rank)
             found_all &= found
             at = self.ar + first
             pos[:, k] = at
@@ -954,13 +1056,124 @@ class _Path:
                 if avail is fit:
                     avail = self._copy(fit, "avail")
                 avail.ravel()[fpos] = False
-        row_why = None
-        if why is not None:
-            row_why = np.bitwise_or.reduce(why, axis=1)
-            if c.count > 1:
-                fitting = _row_counts(fit)
-                row_why |= ((fitting > 0) & (fitting < c.count)) * np.int64(Reason.TOO_FEW_FITTING)
-        return _PathResult(found_all, total, rows, scores, pos, why=row_why)
+        return _PathResult(found_all, total, rows, scores, pos, why=self._core_why(c, fit, why))
+
+    @staticmethod
+    def _core_why(c: ContainerRequest, fit: B, why: I64 | None) -> I64 | None:
+        """Per table row, the failed checks' reasons (None: not asked), with too few fitting
+        GPUs for a multi-GPU container."""
+        if why is None:
+            return None
+        row_why: I64 = np.bitwise_or.reduce(why, axis=1)
+        if c.count > 1:
+            fitting = _row_counts(fit)
+            row_why |= ((fitting > 0) & (fitting < c.count)) * np.int64(Reason.TOO_FEW_FITTING)
+        return row_why
+
+    def _topology(
+        self,
+        c: ContainerRequest,
+        sign: float,
+        fit: B,
+        desir: F64,
+        rows: I64,
+        scores: F64,
+        pos: I64,
+        total: F64,
+        found_all: B,
+    ) -> None:
+        """``topology-aware`` (HAMi v2.10): of the GPUs that fit, one device takes the least
+        connected GPU, several take the set with the highest sum of pair scores
+        (``hami.io/node-nvidia-score``); ties go the GPU policy's order. Written into the
+        result arrays."""
+        assert self.pairs is not None
+        W = self.shape[1]
+        n = c.count
+        if n > W:  # no row has that many GPUs
+            found_all[:] = False
+            return
+        order = self._preference(desir, fit)  # [P, W] columns, best first
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(W)[None, :], axis=1)
+        pairs = self.pairs
+        fits = fit.sum(axis=1)
+        if n == 1:
+            links = np.einsum("pde,pe->pd", pairs, fit.astype(np.float64))
+            key = np.where(fit, links * (W + 1) + rank, np.inf)
+            chosen = key.argmin(axis=1)[:, None]
+        elif math.comb(W, n) <= _MAX_COMBINATIONS:
+            combos = np.array(list(itertools.combinations(range(W), n)), np.int64)  # [C, n]
+            a, b = (
+                np.array(x, np.int64)
+                for x in zip(*itertools.combinations(range(n), 2), strict=True)
+            )
+            ca, cb = combos[:, a], combos[:, b]  # [C, pairs]
+            ahead = rank[:, ca] < rank[:, cb]  # [P, C, pairs]: score the pair in rank order
+            linked = np.where(ahead, pairs[:, ca, cb], pairs[:, cb, ca]).sum(axis=2)  # [P, C]
+            valid = fit[:, combos].all(axis=2)
+            ranks = np.sort(rank[:, combos], axis=2)  # earliest in the policy's order wins ties
+            tie = ranks @ (W ** np.arange(n - 1, -1, -1))
+            key = np.where(valid, -linked * float(W**n + 1) + tie, np.inf)
+            chosen = combos[key.argmin(axis=1)]
+        else:  # too many sets to weigh: the policy's order
+            chosen = order[:, :n]
+        chosen = np.take_along_axis(chosen, np.argsort(np.take_along_axis(rank, chosen, 1), 1), 1)
+        found = fits >= n
+        found_all &= found
+        at = self.ar[:, None] + chosen  # [P, n]
+        pos[:] = at
+        flat_d = desir.ravel()
+        idx = self.table.idx.ravel()
+        for k in range(n):
+            fpos = at[found, k]
+            rows[found, k] = idx[fpos]
+            d = flat_d[fpos]
+            total[found] += d
+            scores[found, k] = d * sign
+
+    def _preference(self, desir: F64, fit: B) -> I64:
+        """Per table row, the columns in the order the GPU policy takes them: by its sort keys
+        (NUMA node where it counts), then the lower column."""
+        W = self.shape[1]
+        cols = np.broadcast_to(np.arange(W), self.shape)
+        fine = -np.round(np.where(fit, desir, -np.inf), 9)
+        numa = self.table.numa.astype(np.int64)
+        keys: list[npt.NDArray[Any]] = [cols]
+        if self.numa_rank == 1:
+            keys.append(-numa)
+        keys.append(fine)
+        if self.numa_rank == 0:
+            keys.append(-numa)
+        order: I64 = np.lexsort(keys, axis=-1)
+        return order
+
+    def numa_bound(self, c: ContainerRequest, sign: float) -> _PathResult:
+        """``c`` with all its devices on one NUMA node (``nvidia.com/numa-bind``): per table row,
+        the highest-numbered NUMA node where it fits. With ``why``, what failed everywhere, and
+        NUMA where enough GPUs fit across NUMA nodes but not on one."""
+        base = self.ok
+        evaluate = self.mig_path if self.mig else self.core_path
+        anywhere: tuple[B, I64 | None] | None = None
+        if self.why:
+            res = evaluate(c, sign)
+            anywhere = (res.ok.copy(), None if res.why is None else res.why.copy())
+        merged: _PathResult | None = None
+        try:
+            for u in np.unique(self.table.numa[base])[::-1].tolist():
+                self.ok = base & (self.table.numa == u)
+                self._cache, self._dirty = None, []
+                merged = _merged(merged, evaluate(c, sign))
+        finally:
+            self.ok = base
+            self._cache, self._dirty = None, []
+        if merged is None:  # no GPU of this path to consider
+            merged = _merged(None, evaluate(c, sign))
+        if anywhere is not None:
+            fits_anywhere, why = anywhere
+            merged.why = (why if why is not None else 0) | (
+                (fits_anywhere & ~merged.ok) * np.int64(Reason.NUMA)
+            )
+        return merged
 
     # --- MIG ---
 
@@ -1000,6 +1213,7 @@ class _Path:
             used_slots,
             prof,
             Reason(0) if reasons is None else reasons,
+            mutex=self.mutex,
             out=sc.get("b0", shape, np.bool_) if work else None,
         )
         why = None if reasons is None else np.zeros(shape, np.int64)
@@ -1059,7 +1273,12 @@ class _Path:
         fit, why = self._mig_fit(prof, slots, us, ok, reasons, work=work)
         out = self._score_out(shape) if work else None
         desir = rules.gpu_score(
-            rules.Amounts(slots, mem, cores), rules.Amounts(us, um, uc), pmem, pcore, out
+            rules.Amounts(slots, mem, cores),
+            rules.Amounts(us, um, uc),
+            pmem,
+            pcore,
+            out,
+            weights=self.weights,
         )
         desir *= sign
         return [prof, start, pmem, pcore, fit, desir], why
@@ -1109,7 +1328,7 @@ class _Path:
             uc, mask = self._copy(uc, "uc_c"), self._copy(mask, "mask_c")
         for k in range(c.count):
             prof, start, pmem, pcore, fit, desir = ev
-            first, found = _pick(desir, fit, self.scratch)
+            first, found = _pick(desir, fit, self.scratch, self.table.numa, self.numa_rank)
             found_all &= found
             at = self.ar + first
             pos[:, k] = at
@@ -1186,9 +1405,11 @@ def _reasons(
         g.conflict[:n],
         everywhere if masks.ok_types is None else masks.ok_types[g.type_id[:n]],
         everywhere if masks.uuid_ok is None else masks.uuid_ok[:n],
-        g.is_mig[:n],
+        g.mode[:n],
         g.geom[:n] >= 0,
-        request.mode,
+        request.modes,
+        cordoned=g.cordoned[:n],
+        legacy=g.legacy[:n],
     )
     seg_bits = np.bitwise_or.reduce(_per_gpu(rows_bits, layout, 0), axis=0)
     seg_bits |= _too_few_gpus(layout, request) * np.int64(Reason.TOO_FEW_GPUS)
@@ -1212,6 +1433,34 @@ def _reasons(
         if owned:
             layout.scratch.release()
     return out
+
+
+def _pair_scores(state: ClusterState, layout: Layout, owned: bool) -> F64 | None:
+    """The hami-core table's GPU pair scores [P, W, W] (``hami.io/node-nvidia-score``; 0 where
+    a node has none), kept with the table until any node's scores change."""
+    table = layout.core
+    if table is None:
+        return None
+    memo = table.scratch.memo if owned else {}
+    kept = memo.get("pairs")
+    if kept is not None and kept[0] == state.pair_scores_version:
+        cached: F64 = kept[1]
+        return cached
+    P, W = table.idx.shape
+    pairs = np.zeros((P, W, W))
+    for i, s in enumerate(table.nodes.tolist()):
+        entry = state.nodes[layout.names[s]]
+        if not entry.pair_scores:
+            continue
+        uuids = [d.id for d in entry.devices]
+        for a, ua in enumerate(uuids[:W]):
+            row = entry.pair_scores.get(ua, {})
+            for b, ub in enumerate(uuids[:W]):
+                if a != b:
+                    pairs[i, a, b] = row.get(ub, 0)
+    pairs.setflags(write=False)
+    memo["pairs"] = (state.pair_scores_version, pairs)
+    return pairs
 
 
 def _uuid_mask(state: ClusterState, layout: Layout, request: PodRequest, owned: bool) -> B:

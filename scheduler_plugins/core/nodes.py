@@ -1,14 +1,17 @@
-"""Nodes as the scheduling core sees them: registered GPUs and allocatable CPU/memory."""
+"""Nodes as the scheduling core sees them: registered GPUs, the GPUs an operator cordoned, how
+the GPUs are connected, and allocatable CPU/memory."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any
 
-from api.hami.keys import NODE_REGISTER
+from api.errors import InvalidAnnotationError
+from api.hami.keys import DEVICE_CORDON, NODE_PAIR_SCORES, NODE_REGISTER
+from api.hami.nodes import PairScores, decode_cordon, decode_pair_scores
 from api.hami.register import GpuDevice, decode
-from api.kube.objects import parse_quantity
+from api.kube.objects import annotations_of, as_object, parse_quantity
 
 
 @dataclass(frozen=True)
@@ -17,23 +20,34 @@ class NodeInfo:
     devices: tuple[GpuDevice, ...]
     cpu_milli: int
     memory_bytes: int
-
-
-def _dict(v: object) -> dict[str, Any]:
-    return cast("dict[str, Any]", v) if isinstance(v, dict) else {}
+    cordoned: frozenset[str] = frozenset()
+    pair_scores: PairScores = field(default_factory=dict)
+    # What could not be read but does not stop the node (e.g. malformed pair scores).
+    warnings: tuple[str, ...] = ()
 
 
 def parse_node(node: Mapping[str, Any]) -> NodeInfo:
-    """Raises InvalidAnnotationError if the register annotation is malformed."""
-    meta = _dict(node.get("metadata"))
+    """Raises InvalidAnnotationError if the register annotation is malformed; malformed pair
+    scores only lose topology-aware placement on the node (a warning): HAMi would drop the
+    node's GPUs altogether."""
+    meta = as_object(node.get("metadata"))
     name = str(meta.get("name", ""))
-    annotations = _dict(meta.get("annotations"))
+    annotations = annotations_of(node)
     raw = annotations.get(NODE_REGISTER)
-    devices = decode(raw, obj=f"node {name}") if isinstance(raw, str) and raw else ()
-    alloc = _dict(_dict(node.get("status")).get("allocatable"))
+    devices = decode(raw, obj=f"node {name}") if raw else ()
+    alloc = as_object(as_object(node.get("status")).get("allocatable"))
     try:
         cpu = int(parse_quantity(alloc["cpu"]) * 1000) if "cpu" in alloc else 0
         mem = int(parse_quantity(alloc["memory"])) if "memory" in alloc else 0
     except ValueError:
         cpu, mem = 0, 0
-    return NodeInfo(name, devices, cpu, mem)
+    warnings: list[str] = []
+    pair_scores: PairScores = {}
+    scores_raw = annotations.get(NODE_PAIR_SCORES)
+    if scores_raw:
+        try:
+            pair_scores = decode_pair_scores(scores_raw, obj=f"node {name}")
+        except InvalidAnnotationError as e:
+            warnings.append(f"{e}; the node's GPUs are placed without topology scores")
+    cordoned = decode_cordon(annotations.get(DEVICE_CORDON, ""))
+    return NodeInfo(name, devices, cpu, mem, cordoned, pair_scores, tuple(warnings))

@@ -22,8 +22,8 @@ from api.hami.devices import (
     decode_devices,
     decode_mig_allocations,
 )
-from api.hami.keys import GPU_MODES, GpuMode, parse_gpu_mode
-from api.hami.policy import Policy
+from api.hami.keys import GPU_MODES, GpuMode, modes_named, parse_go_bool
+from api.hami.policy import GpuPolicy, Policy, ScoringWeights
 from api.kube.objects import (
     all_containers,
     annotations_of,
@@ -55,9 +55,11 @@ class PodRequest:
     uid: str
     containers: tuple[ContainerRequest, ...]  # only containers that ask for GPUs
     container_count: int  # all containers, init first
-    mode: GpuMode | None
+    modes: frozenset[GpuMode] | None  # None: the pod names none (any mode)
     node_policy: Policy
-    gpu_policy: Policy
+    gpu_policy: GpuPolicy
+    numa_bind: bool  # all of a container's devices on one NUMA node
+    weights: ScoringWeights  # of the GPU score
     use_types: tuple[str, ...]
     nouse_types: tuple[str, ...]
     use_uuids: tuple[str, ...]
@@ -174,35 +176,57 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
         )
         requests.append(ContainerRequest(i, cname, count, mem, pct, cores))
 
+    modes: frozenset[GpuMode] | None = None
     mode_raw = annotations.get(ann.VGPU_MODE)
-    mode: GpuMode | None = None
     if mode_raw is not None:
-        mode = parse_gpu_mode(mode_raw)
-        if mode is None:
+        modes = modes_named(mode_raw)
+        if not modes:
             raise InvalidRequestError(
                 key,
-                f"annotation {ann.VGPU_MODE}: {short_repr(mode_raw)} is not one of "
-                f"{', '.join(GPU_MODES)}",
+                f"annotation {ann.VGPU_MODE}: {short_repr(mode_raw)} names none of "
+                f"{', '.join(GPU_MODES)} (several may be given, e.g. hami-core,mig)",
             )
+    numa_bind = False
+    numa_raw = annotations.get(ann.NUMA_BIND)
+    if numa_raw is not None:
+        parsed = parse_go_bool(numa_raw)
+        if parsed is None:
+            raise InvalidRequestError(
+                key, f"annotation {ann.NUMA_BIND}: {short_repr(numa_raw)} is not true or false"
+            )
+        numa_bind = parsed
     try:
         node_policy = Policy.parse(
-            annotations.get(ann.NODE_POLICY, config.default_node_policy.value),
+            annotations.get(ann.NODE_POLICY) or config.default_node_policy.value,
             what=f"annotation {ann.NODE_POLICY}",
-        )
-        gpu_policy = Policy.parse(
-            annotations.get(ann.GPU_POLICY, config.default_gpu_policy.value),
-            what=f"annotation {ann.GPU_POLICY}",
         )
     except ValueError as e:
         raise InvalidRequestError(key, str(e)) from None
+    try:
+        gpu_policy = GpuPolicy.parse(
+            annotations.get(ann.GPU_POLICY, ""), default=GpuPolicy.of(config.default_gpu_policy)
+        )
+    except ValueError as e:
+        raise InvalidRequestError(key, f"annotation {ann.GPU_POLICY}: {e}") from None
+    weights = ScoringWeights()
+    weights_raw = annotations.get(ann.SCORING_WEIGHTS)
+    if weights_raw is not None:
+        try:
+            weights = ScoringWeights.parse(weights_raw)
+        except ValueError as e:
+            raise InvalidRequestError(key, f"annotation {ann.SCORING_WEIGHTS}: {e}") from None
+    if numa_bind:
+        gpu_policy = gpu_policy.numa_first()
     return PodRequest(
         key=key,
         uid=str(meta.get("uid", "")),
         containers=tuple(requests),
         container_count=len(containers),
-        mode=mode,
+        modes=modes,
         node_policy=node_policy,
         gpu_policy=gpu_policy,
+        numa_bind=numa_bind,
+        weights=weights,
         use_types=_csv(annotations.get(ann.USE_GPUTYPE)),
         nouse_types=_csv(annotations.get(ann.NOUSE_GPUTYPE)),
         use_uuids=_csv(annotations.get(ann.USE_GPUUUID)),

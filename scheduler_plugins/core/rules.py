@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from api.hami.keys import GpuMode
+from api.hami.policy import ScoringWeights
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -49,6 +50,11 @@ class Reason(IntFlag):
     MIG_FRAGMENTATION = 1 << 12
     MIG_CONFLICT = 1 << 13
     TOO_FEW_FITTING = 1 << 14
+    CORDONED = 1 << 15
+    MPS = 1 << 16
+    MIG_LEGACY = 1 << 17
+    MUTEX = 1 << 18
+    NUMA = 1 << 19
 
 
 REASON_TEXT: Final[dict[Reason, str]] = {
@@ -67,6 +73,14 @@ REASON_TEXT: Final[dict[Reason, str]] = {
     Reason.MIG_FRAGMENTATION: "MIG fragmentation: enough free slices but no legal placement",
     Reason.MIG_CONFLICT: "inconsistent MIG reservations on GPU (fail closed)",
     Reason.TOO_FEW_FITTING: "fewer fitting GPUs than requested",
+    Reason.CORDONED: "GPU cordoned (hami.io/device-cordon)",
+    Reason.MPS: "MPS GPU: not offered yet (Tessera schedules hami-core and MIG GPUs)",
+    Reason.MIG_LEGACY: (
+        "GPU holds MIG instances HAMi <= v2.9 placed (legacy device strings): no new work until "
+        "their pods end (fail closed)"
+    ),
+    Reason.MUTEX: "mutex: GPU in use",
+    Reason.NUMA: "numa-bind: no single NUMA node has enough fitting GPUs",
 }
 
 
@@ -82,6 +96,10 @@ class Amounts(NamedTuple):
     cores: F64
 
 
+MODE_CODES: Final[tuple[GpuMode, ...]] = ("hami-core", "mig", "mps")
+"""A GPU's mode as a small integer (its index here), as the state keeps it per GPU."""
+
+
 Check = tuple[Reason | I64, B]
 """A condition a GPU must meet, and the reason it fails where the condition does not hold
 (one for all, or per GPU)."""
@@ -90,9 +108,12 @@ Check = tuple[Reason | I64, B]
 # ----- which GPUs a pod considers ------------------------------------------------------------
 
 
-def modes(mode: GpuMode | None) -> tuple[bool, bool]:
-    """(hami-core allowed, MIG allowed) for a pod's ``nvidia.com/vgpu-mode`` (None: both)."""
-    return mode in (None, "hami-core"), mode in (None, "mig")
+def modes(allowed: frozenset[GpuMode] | None) -> tuple[bool, bool]:
+    """(hami-core GPUs offered, MIG GPUs offered) to a pod whose ``nvidia.com/vgpu-mode``
+    names ``allowed`` (None: it names none, any GPU). MPS GPUs are not offered yet."""
+    if allowed is None:
+        return True, True
+    return "hami-core" in allowed, "mig" in allowed
 
 
 def type_allowed(gpu_type: str, use: Sequence[str], nouse: Sequence[str]) -> bool:
@@ -121,22 +142,33 @@ def static_reasons(
     conflict: npt.NDArray[np.int32],
     type_ok: B,
     uuid_ok: B,
-    is_mig: B,
+    mode: npt.NDArray[np.int8],
     has_geometry: B,
-    mode: GpuMode | None,
+    allowed: frozenset[GpuMode] | None,
+    *,
+    cordoned: B,
+    legacy: npt.NDArray[np.int32],
 ) -> I64:
     """Per GPU, what refuses it whatever its usage; 0 where the pod may consider it.
 
-    A GPU with inconsistent MIG reservations (``conflict``) is refused as a whole (fail
-    closed). A MIG GPU the pod could use but whose node registers no allowed profile for it has
-    no MIG profile for any request.
+    A GPU with inconsistent MIG reservations (``conflict``), or holding MIG devices of HAMi <=
+    v2.9 whose placement is unknown (``legacy``), is refused as a whole (fail closed); so is a
+    cordoned one. ``mode``: ``MODE_CODES`` per GPU. A GPU of a mode the pod names (or any, when
+    it names none) but not offered (MPS) says so; a MIG GPU the pod could use whose node
+    registers no allowed profile has no MIG profile for any request.
     """
-    allow_core, allow_mig = modes(mode)
+    allow_core, allow_mig = modes(allowed)
+    accepted = np.array([allowed is None or m in allowed for m in MODE_CODES], np.bool_)[mode]
+    offered = np.array([allow_core, allow_mig, False], np.bool_)[mode]
+    is_mig = mode == MODE_CODES.index("mig")
     bits = _bits(~healthy, Reason.UNHEALTHY)
     bits |= _bits(healthy & (conflict > 0), Reason.MIG_CONFLICT)
+    bits |= _bits(legacy > 0, Reason.MIG_LEGACY)
+    bits |= _bits(cordoned, Reason.CORDONED)
     bits |= _bits(~type_ok, Reason.TYPE)
     bits |= _bits(~uuid_ok, Reason.UUID)
-    bits |= _bits((is_mig & ~np.bool_(allow_mig)) | (~is_mig & ~np.bool_(allow_core)), Reason.MODE)
+    bits |= _bits(~accepted, Reason.MODE)
+    bits |= _bits(accepted & ~offered, Reason.MPS)
     eligible_mig = (bits == 0) & is_mig
     bits |= _bits(eligible_mig & ~has_geometry, Reason.MIG_NO_PROFILE)
     return bits
@@ -166,11 +198,12 @@ def core_checks(
     req_cores: int,
     *,
     exclusive_possible: bool = True,
+    mutex: bool = False,
     out: tuple[B, B, F64] | None = None,
 ) -> Iterator[Check]:
     """The conditions for a hami-core GPU (capacity ``cap``, in use ``used``) to take one
     device: a free vGPU slot, the memory, the cores, and an unused GPU when the device asks
-    every core of it.
+    every core of it, or (``mutex``, the ``mutex`` GPU policy) whatever it asks.
 
     ``exclusive_possible`` False says no GPU looked at has as few cores as the device asks
     (the last condition then holds everywhere and is skipped). With ``out`` (two bool arrays
@@ -183,6 +216,8 @@ def core_checks(
         yield Reason.CORES, (cap.cores - used.cores >= req_cores) & (used.cores < cap.cores)
         if exclusive_possible:
             yield Reason.EXCLUSIVE, (req_cores < cap.cores) | (used.slots == 0)
+        if mutex:
+            yield Reason.MUTEX, used.slots == 0
         return
     b, b2, f = out
     yield Reason.SLOTS, np.less(used.slots, cap.slots, out=b)
@@ -192,6 +227,8 @@ def core_checks(
     if exclusive_possible:
         unused = np.equal(used.slots, 0, out=b2)
         yield Reason.EXCLUSIVE, np.logical_or(np.less(req_cores, cap.cores, out=b), unused, out=b)
+    if mutex:
+        yield Reason.MUTEX, np.equal(used.slots, 0, out=b)
 
 
 def mig_checks(
@@ -200,18 +237,23 @@ def mig_checks(
     profile: I64,
     choice_reason: I64 | Reason,
     *,
+    mutex: bool = False,
     out: B | None = None,
 ) -> Iterator[Check]:
     """The conditions for a MIG GPU to take one device: a free vGPU slot (each MIG device takes
-    one, as kubelet counts them) and a profile with a free legal placement (``profile``, the
-    choice table's answer, -1 for none; ``choice_reason`` says why there is none). With
-    ``out``, as ``core_checks``."""
+    one, as kubelet counts them), a profile with a free legal placement (``profile``, the
+    choice table's answer, -1 for none; ``choice_reason`` says why there is none), and with
+    ``mutex`` nothing else on the GPU. With ``out``, as ``core_checks``."""
     if out is None:
         yield Reason.SLOTS, used_slots < slots
         yield choice_reason, profile >= 0
+        if mutex:
+            yield Reason.MUTEX, used_slots == 0
         return
     yield Reason.SLOTS, np.less(used_slots, slots, out=out)
     yield choice_reason, np.greater_equal(profile, 0, out=out)
+    if mutex:
+        yield Reason.MUTEX, np.equal(used_slots, 0, out=out)
 
 
 def fold(checks: Iterator[Check], ok: B, *, fit: B | None = None, why: I64 | None = None) -> B:
@@ -246,28 +288,46 @@ def gpu_score(
     req_mem: F64 | float,
     req_cores: F64 | float,
     out: tuple[F64, F64, B] | None = None,
+    *,
+    weights: ScoringWeights | None = None,
 ) -> F64:
     """The seed's GPU score, usage including this device: (slots share + cores share + memory
-    share) × 10, 0..30. Binpack takes the highest GPU, spread the lowest. A GPU without
-    capacity (a zero share) scores 0. With ``out`` (result, temporary, finite flags: arrays
-    of the inputs' shape) nothing is allocated and the result is ``out[0]``."""
+    share) × 10, 0..30; each share times its weight (``hami.io/device-scoring-weights``; None:
+    1 each). Binpack takes the highest GPU, spread the lowest. A GPU without capacity (a zero
+    share) scores 0. With ``out`` (result, temporary, finite flags: arrays of the inputs'
+    shape) nothing is allocated and the result is ``out[0]``."""
+    if weights is not None and weights.default:
+        weights = None
     if out is None:
         with np.errstate(divide="ignore", invalid="ignore"):
-            s = (
-                (1 + used.slots) / cap.slots
-                + (req_cores + used.cores) / cap.cores
-                + (req_mem + used.mem) / cap.mem
-            ) * 10
+            shares = (
+                (1 + used.slots) / cap.slots,
+                (req_cores + used.cores) / cap.cores,
+                (req_mem + used.mem) / cap.mem,
+            )
+            if weights is not None:
+                shares = (
+                    shares[0] * weights.slot,
+                    shares[1] * weights.core,
+                    shares[2] * weights.memory,
+                )
+            s = (shares[0] + shares[1] + shares[2]) * 10
         return s if np.isfinite(s).all() else np.nan_to_num(s)
     s, t, finite = out
     with np.errstate(divide="ignore", invalid="ignore"):
         np.add(used.slots, 1, out=s)
         np.divide(s, cap.slots, out=s)
+        if weights is not None:
+            s *= weights.slot
         np.add(used.cores, req_cores, out=t)
         np.divide(t, cap.cores, out=t)
+        if weights is not None:
+            t *= weights.core
         np.add(s, t, out=s)
         np.add(used.mem, req_mem, out=t)
         np.divide(t, cap.mem, out=t)
+        if weights is not None:
+            t *= weights.memory
         np.add(s, t, out=s)
         np.multiply(s, 10, out=s)
     if not np.isfinite(s, out=finite).all():

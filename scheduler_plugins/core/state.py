@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from api.hami.config import DeviceConfig
+from api.hami.nodes import PairScores
 from api.hami.register import GpuDevice, MigProfile, Placement
 from scheduler_plugins.core.mig_policy import (
     MAX_SLICES,
@@ -26,8 +27,9 @@ from scheduler_plugins.core.mig_policy import (
     build_choice_table,
     sort_profiles,
 )
+from scheduler_plugins.core.nodes import NodeInfo
 from scheduler_plugins.core.requests import PodAllocation
-from scheduler_plugins.core.rules import Reason
+from scheduler_plugins.core.rules import MODE_CODES, Reason
 
 _USAGE_LOG_MAX = 4096  # usage changes remembered (``ClusterState.usage_changes_since``)
 
@@ -133,7 +135,8 @@ class NodeEntry:
     rows: dict[str, int]  # GPU UUID -> row
     cpu_milli: int = 0
     memory_bytes: int = 0
-    register_value: str | None = None
+    cordoned: frozenset[str] = frozenset()
+    pair_scores: PairScores = field(default_factory=dict)
 
 
 @dataclass
@@ -184,9 +187,15 @@ class GpuArrays:
     used_mem: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
     used_cores: npt.NDArray[np.float64] = field(default_factory=lambda: _zeros(0))
     healthy: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
-    is_mig: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    mode: npt.NDArray[np.int8] = field(default_factory=lambda: np.zeros(0, np.int8))  # MODE_CODES
+    numa: npt.NDArray[np.int16] = field(default_factory=lambda: np.zeros(0, np.int16))
     mig_mask: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     conflict: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Devices HAMi <= v2.9 placed on MIG (legacy device strings) held on the GPU.
+    legacy: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    cordoned: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
+    # Refused as a whole whatever the pod asks: conflict, legacy or cordoned (kept with them).
+    blocked: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, np.bool_))
     geom: npt.NDArray[np.int16] = field(default_factory=lambda: np.zeros(0, np.int16))
     type_id: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
     slice_use: npt.NDArray[np.int16] = field(
@@ -203,8 +212,17 @@ class GpuArrays:
     def __len__(self) -> int:
         return len(self.node)
 
+    @property
+    def is_mig(self) -> npt.NDArray[np.bool_]:
+        mig: npt.NDArray[np.bool_] = self.mode == _MIG
+        return mig
+
+    def refresh_blocked(self, r: int) -> None:
+        self.blocked[r] = self.conflict[r] > 0 or self.legacy[r] > 0 or self.cordoned[r]
+
 
 _GPU_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(GpuArrays))
+_CORE, _MIG = MODE_CODES.index("hami-core"), MODE_CODES.index("mig")
 
 
 class ClusterState:
@@ -225,6 +243,7 @@ class ClusterState:
         self._records: dict[str, _Record] = {}
         self._by_node: dict[str, set[str]] = {}
         self.layout_version = 0  # bumped whenever rows or node indices change
+        self.pair_scores_version = 0  # bumped whenever a node's GPU pair scores may change
         self._layout: Layout | None = None
         # Decisions that still read the live GPU columns (lazy reasons): told before any change.
         self._watchers: weakref.WeakSet[ChangeWatcher] = weakref.WeakSet()
@@ -279,12 +298,26 @@ class ClusterState:
         *,
         cpu_milli: int = 0,
         memory_bytes: int = 0,
+        cordoned: frozenset[str] = frozenset(),
+        pair_scores: PairScores | None = None,
     ) -> None:
+        """The node's GPUs as it registers them; ``cordoned``: UUIDs that take no new work
+        (``hami.io/device-cordon``); ``pair_scores``: how its GPUs are connected."""
         entry = self.nodes.get(name)
         if entry is not None and entry.devices == devices:
             entry.cpu_milli, entry.memory_bytes = cpu_milli, memory_bytes
             self.node_cpu_alloc[entry.idx] = cpu_milli
             self.node_mem_alloc[entry.idx] = memory_bytes
+            if entry.cordoned != cordoned:
+                self._changing()
+                entry.cordoned = cordoned
+                for uuid, r in entry.rows.items():
+                    self.gpus.cordoned[r] = uuid in cordoned
+                    self.gpus.refresh_blocked(r)
+            if entry.pair_scores != (pair_scores or {}):
+                self._changing()
+                entry.pair_scores = pair_scores or {}
+                self.pair_scores_version += 1
             return
         self._changing()
         if entry is not None:
@@ -294,7 +327,10 @@ class ClusterState:
         else:
             idx = self._alloc_node_idx(name)
         start = self._alloc_rows(len(devices))
-        entry = NodeEntry(name, idx, start, devices, {}, cpu_milli, memory_bytes)
+        entry = NodeEntry(
+            name, idx, start, devices, {}, cpu_milli, memory_bytes, cordoned, pair_scores or {}
+        )
+        self.pair_scores_version += 1
         g = self.gpus
         for i, d in enumerate(devices):
             r = start + i
@@ -305,9 +341,13 @@ class ClusterState:
             g.cores[r] = d.devcore
             g.used_slots[r] = g.used_mem[r] = g.used_cores[r] = 0
             g.healthy[r] = d.health
-            g.is_mig[r] = d.mode == "mig"
+            g.mode[r] = MODE_CODES.index(d.mode)
+            g.numa[r] = min(d.numa, 2**15 - 1)
             g.mig_mask[r] = 0
             g.conflict[r] = 0
+            g.legacy[r] = 0
+            g.cordoned[r] = d.id in cordoned
+            g.refresh_blocked(r)
             g.slice_use[r] = 0
             g.type_id[r] = self._type_id(d.type)
             g.geom[r] = self._geometry_id(d) if d.mode == "mig" else -1
@@ -321,6 +361,17 @@ class ClusterState:
         self.node_used_slots[idx] = self.node_used_mem[idx] = self.node_used_cores[idx] = 0
         self.layout_version += 1
         self._apply_node_pods(name)
+
+    def upsert_node_info(self, info: NodeInfo) -> None:
+        """``upsert_node`` with what ``nodes.parse_node`` read of a Node."""
+        self.upsert_node(
+            info.name,
+            info.devices,
+            cpu_milli=info.cpu_milli,
+            memory_bytes=info.memory_bytes,
+            cordoned=info.cordoned,
+            pair_scores=info.pair_scores,
+        )
 
     def remove_node(self, name: str) -> None:
         entry = self.nodes.pop(name, None)
@@ -500,6 +551,9 @@ class ClusterState:
             g.used_slots[r] += sign
             g.used_mem[r] += sign * d.mem
             g.used_cores[r] += sign * d.cores
+            if d.legacy is not None:  # a HAMi <= v2.9 MIG device: where it sits is unknown
+                g.legacy[r] += sign
+                g.refresh_blocked(r)
             slots, mem_sum, cores_sum = slots + 1, mem_sum + d.mem, cores_sum + d.cores
             self._usage_log.append(r)
         for m in alloc.mig:
@@ -516,6 +570,7 @@ class ClusterState:
             use = g.slice_use[r]
             g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), 1 << np.arange(MAX_SLICES)))
             g.conflict[r] = int(np.count_nonzero(use > 1))
+            g.refresh_blocked(r)
             self._usage_log.append(r)
         if len(self._usage_log) > _USAGE_LOG_MAX:  # copies that old refresh in full
             self._usage_log_start += len(self._usage_log)
@@ -566,6 +621,8 @@ class ClusterState:
                     float(g.used_cores[r]),
                     int(g.mig_mask[r]),
                     int(g.conflict[r]),
+                    int(g.legacy[r]),
+                    bool(g.blocked[r]),
                 )
             out[f"{name}/cpu-mem"] = (
                 float(self.node_cpu_req[e.idx]),
@@ -602,6 +659,7 @@ class PathTable:
     mem: npt.NDArray[np.float64]
     cores: npt.NDArray[np.float64]
     type_id: npt.NDArray[np.int32]  # [P, W]
+    numa: npt.NDArray[np.int16]  # [P, W] NUMA node, -1 where not ok
     geoms: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry, flat positions); MIG only
     min_cores: float  # fewest cores of an ok GPU (inf if none)
     # MIG: the geometries' choice tables (``Geometry.luts``) concatenated after one "nothing
@@ -675,6 +733,7 @@ class PathTable:
             mem=np.where(ok, g.mem[idx], one),
             cores=cores,
             type_id=np.where(ok, g.type_id[idx], 0).astype(np.int32),
+            numa=np.where(ok, g.numa[idx], -1).astype(np.int16),
             geoms=geom_pos,
             min_cores=float(cores[ok].min()) if ok.any() else float("inf"),
             **luts,
@@ -719,7 +778,8 @@ class Layout:
             seg_of_row[e.start : e.start + len(e.devices)] = i
         live = g.node[:n_rows] >= 0
         geom = g.geom[:n_rows]
-        mig_live = live & g.is_mig[:n_rows] & (geom >= 0)
+        mode = g.mode[:n_rows]
+        mig_live = live & (mode == _MIG) & (geom >= 0)
         geom_rows = tuple(
             (int(gid), np.flatnonzero(mig_live & (geom == gid)))
             for gid in np.unique(geom[mig_live])
@@ -732,8 +792,7 @@ class Layout:
         rows_t = np.ascontiguousarray(gpu_rows.T)
         ok_t = np.ascontiguousarray(ok.T)
         healthy = live & g.healthy[:n_rows]
-        is_mig = g.is_mig[:n_rows]
-        core = PathTable.of(state, n_rows, rows_t, ok_t, healthy & ~is_mig, geoms=False)
+        core = PathTable.of(state, n_rows, rows_t, ok_t, healthy & (mode == _CORE), geoms=False)
         mig = PathTable.of(state, n_rows, rows_t, ok_t, healthy & mig_live, geoms=True)
         names = tuple(e.name for e in entries)
         name_rank = np.empty(len(names), np.int64)

@@ -55,6 +55,7 @@ from scheduler_plugins.core.requests import (
     parse_allocation,
     parse_request,
 )
+from scheduler_plugins.core.rules import modes
 from scheduler_plugins.core.state import ClusterState
 
 Obj = Mapping[str, Any]
@@ -213,9 +214,7 @@ def rebuild_state(
     state = ClusterState(config or DeviceConfig())
     for node in nodes:
         info = parse_node(node)
-        state.upsert_node(
-            info.name, info.devices, cpu_milli=info.cpu_milli, memory_bytes=info.memory_bytes
-        )
+        state.upsert_node_info(info)
     for pod in pods:
         if counts_against_capacity(pod):
             state.upsert_pod(parse_allocation(pod), pod_key(pod))
@@ -297,6 +296,7 @@ def annotation_violations(
     if len(devices) != len(all_containers(pod)):
         bad(f"{len(devices)} container entries for {len(all_containers(pod))} containers")
     mig_slots = {(m.container_index, m.device_index): m for m in mig}
+    allow_core, allow_mig = modes(request.modes)
     for c in request.containers:
         got = devices[c.index] if c.index < len(devices) else ()
         if len(got) != c.count:
@@ -313,7 +313,7 @@ def annotation_violations(
                     bad(f"shared device on {gpu.mode} GPU {gpu.index}")
                 if d.mem != c.mem_for(gpu.devmem) or d.cores != c.cores:
                     bad(f"device {d.uuid}: {d.mem} MiB {d.cores}% for request {c}")
-                if request.mode == "mig":
+                if not allow_core:
                     bad("asked for MIG, got a shared vGPU")
             else:
                 if gpu.mode != "mig":
@@ -329,7 +329,7 @@ def annotation_violations(
                     bad(f"{m.profile} ({profile.memory_mb} MiB) below {c.mem_for(gpu.devmem)} MiB")
                 if m.runtime is None:
                     bad(f"MIG device {m.profile}@{m.placement} has no runtime identity")
-                if request.mode == "hami-core":
+                if not allow_mig:
                     bad("asked for hami-core, got a MIG device")
         shared = [u for di, u in enumerate(uuids) if (c.index, di) not in mig_slots]
         if len(set(shared)) != len(shared):
@@ -538,9 +538,7 @@ def check_objects(
             out.append(Violation(ViolationKind.UNREADABLE, name, str(e)))
             continue
         registers[info.name] = tuple(sorted(info.devices, key=lambda d: d.index))
-        state.upsert_node(
-            info.name, info.devices, cpu_milli=info.cpu_milli, memory_bytes=info.memory_bytes
-        )
+        state.upsert_node_info(info)
     holders = _MigHolders()
     gpu_pods = 0
     for pod in pods:

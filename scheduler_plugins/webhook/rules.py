@@ -31,7 +31,8 @@ from api.errors import InvalidRequestError
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
 from scheduler_plugins.core.requests import PodRequest, parse_request
-from scheduler_plugins.webhook.facts import ClusterFacts
+from scheduler_plugins.core.rules import modes
+from scheduler_plugins.webhook.facts import ClusterFacts, RequestMode
 
 DEFAULT_SCHEDULER: Final = "default-scheduler"
 TESSERA_SCHEDULER: Final = "hami-scheduler"
@@ -223,13 +224,17 @@ def _impossible(request: PodRequest, facts: ClusterFacts, config: DeviceConfig) 
     """Requests larger than anything a registered node holds (nothing when none is known)."""
     if not facts.known:
         return []
-    limit = facts.limit(request.mode)
-    kind = {None: "GPU", "hami-core": "hami-core GPU", "mig": "MIG"}[request.mode]
+    allow_core, allow_mig = modes(request.modes)
+    if not (allow_core or allow_mig):
+        return []  # MPS only: not offered yet, the pod waits with that reason (not refused)
+    mode: RequestMode = None if allow_core and allow_mig else "hami-core" if allow_core else "mig"
+    limit = facts.limit(mode)
+    kind = {None: "GPU", "hami-core": "hami-core GPU", "mig": "MIG"}[mode]
     if limit.devices == 0 or limit.largest is None:
-        if request.mode is None:
+        if mode is None:
             return [f"none of the {facts.nodes} node(s) with registered GPUs can hold a device"]
         return [
-            f"the pod asks for {kind} devices ({ann.VGPU_MODE}: {request.mode}), but none of "
+            f"the pod asks for {kind} devices ({ann.VGPU_MODE}: {mode}), but none of "
             f"the {facts.nodes} node(s) with registered GPUs has one; use another mode or "
             "leave the annotation out"
         ]

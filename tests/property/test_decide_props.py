@@ -25,11 +25,12 @@ import scheduler_plugins.core.decide as decide_module
 from api.hami import keys as ann
 from api.hami.catalog import MODELS
 from api.hami.config import DeviceConfig
+from api.hami.devices import DeviceAlloc
 from api.hami.keys import GpuMode
 from api.hami.register import GpuDevice
 from scheduler_plugins.core.decide import Decision, _evaluate, decide
 from scheduler_plugins.core.explain import _free_intervals, explain, node_class
-from scheduler_plugins.core.requests import PodRequest, parse_request
+from scheduler_plugins.core.requests import PodAllocation, PodRequest, parse_request
 from scheduler_plugins.core.rules import Reason, reason_names
 from scheduler_plugins.core.state import ClusterState
 from tests.builders import make_pod
@@ -44,24 +45,68 @@ def gpus(draw: st.DrawFn, node: int, index: int) -> GpuDevice:
     uuid = f"GPU-{node}-{index}"
     count = draw(st.sampled_from([1, 2, 4, 10]))
     healthy = draw(st.booleans() | st.just(True))
+    numa = draw(st.integers(0, 1))
     if draw(st.booleans()):
         model = draw(st.sampled_from(MIG_MODELS))
         allowed = set(CFG.allowed_profiles(model.name))
         profiles = tuple(model.mig_profile(p) for p in model.profiles if p.name in allowed)
         return GpuDevice(
-            uuid, index, count, model.memory_mib, 100, model.name, 0, healthy, "mig", profiles
+            uuid, index, count, model.memory_mib, 100, model.name, numa, healthy, "mig", profiles
         )
     model = draw(st.sampled_from(MODELS))
-    return GpuDevice(uuid, index, count, model.memory_mib, 100, model.name, 0, healthy, "hami-core")
+    mode: GpuMode = draw(st.sampled_from(["hami-core"] * 5 + ["mps"]))
+    return GpuDevice(uuid, index, count, model.memory_mib, 100, model.name, numa, healthy, mode)
 
 
 @st.composite
 def clusters(draw: st.DrawFn) -> ClusterState:
+    """Nodes of hami-core, MIG and MPS GPUs on two NUMA nodes; some GPUs cordoned, some
+    holding a device HAMi <= v2.9 placed on MIG, some nodes with GPU pair scores."""
     state = ClusterState(CFG)
     for n in range(draw(st.integers(1, 6))):
         devices = tuple(draw(gpus(n, i)) for i in range(draw(st.integers(0, 4))))
-        state.upsert_node(f"node-{n}", devices, cpu_milli=32_000, memory_bytes=2**38)
+        uuids = [d.id for d in devices]
+        cordoned = frozenset(
+            draw(st.lists(st.sampled_from(uuids), max_size=1))
+            if uuids and draw(st.booleans())
+            else ()
+        )
+        pair_scores = None
+        if len(uuids) > 1 and draw(st.booleans()):
+            pair_scores = {
+                a: {b: draw(st.sampled_from([0, 10, 60, 200])) for b in uuids if b != a}
+                for a in uuids
+            }
+        name = f"node-{n}"
+        state.upsert_node(
+            name,
+            devices,
+            cpu_milli=32_000,
+            memory_bytes=2**38,
+            cordoned=cordoned,
+            pair_scores=pair_scores,
+        )
+        if uuids and draw(st.integers(0, 9)) == 0:
+            key = f"default/legacy-{n}"
+            legacy = DeviceAlloc(draw(st.sampled_from(uuids)), 4864, 15, legacy="1-1")
+            state.upsert_pod(PodAllocation(key, name, (legacy,), ()), key)
     return state
+
+
+GPU_POLICIES = (
+    None,
+    "binpack",
+    "spread",
+    "numa",
+    "numa,binpack",
+    "binpack, numa",
+    "spread,numa",
+    "mutex",
+    "binpack,mutex",
+    "topology-aware",
+    "topology-aware,spread",
+    "numa,mutex,binpack",
+)
 
 
 @st.composite
@@ -75,14 +120,24 @@ def requests(draw: st.DrawFn, i: int) -> PodRequest:
             pct=draw(st.sampled_from([10, 25, 50, 100])) if memory == "pct" else None,
             cores=draw(st.sampled_from([None, 0, 30, 100])),
         )
-    modes: list[GpuMode | None] = [None, "hami-core", "mig"]
-    mode = draw(st.sampled_from(modes))
+    mode = draw(
+        st.sampled_from([None, "hami-core", "mig", "mps", "hami-core,mig", "mps,hami-core"])
+    )
     if mode:
-        pod.mode(mode)
-    for key in (ann.NODE_POLICY, ann.GPU_POLICY):
-        policy = draw(st.sampled_from([None, "binpack", "spread"]))
-        if policy:
-            pod.annotate(key, policy)
+        pod.annotate(ann.VGPU_MODE, mode)
+    node_policy = draw(st.sampled_from([None, "binpack", "spread"]))
+    if node_policy:
+        pod.annotate(ann.NODE_POLICY, node_policy)
+    gpu_policy = draw(st.sampled_from(GPU_POLICIES))
+    if gpu_policy:
+        pod.annotate(ann.GPU_POLICY, gpu_policy)
+    if draw(st.integers(0, 3)) == 0:
+        pod.annotate(ann.NUMA_BIND, draw(st.sampled_from(["true", "false", "1"])))
+    if draw(st.integers(0, 3)) == 0:
+        weights = draw(
+            st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)).filter(any)
+        )
+        pod.annotate(ann.SCORING_WEIGHTS, "slot={},core={},memory={}".format(*weights))
     selector = draw(st.sampled_from([None, ann.USE_GPUTYPE, ann.NOUSE_GPUTYPE]))
     if selector:
         pod.annotate(selector, draw(st.sampled_from(["A100", "H100", "V100"])))

@@ -334,10 +334,10 @@ def check_plan(state: ClusterState, request: PodRequest, plan: PodPlan) -> None:
             if request.use_types:
                 assert any(t.upper() in dev.type.upper() for t in request.use_types)
             if d.mig_profile is None:
-                assert dev.mode == "hami-core" and request.mode in (None, "hami-core")
+                assert dev.mode == "hami-core" and request.modes in (None, frozenset({"hami-core"}))
                 assert (d.mem, d.cores) == (c.mem_for(dev.devmem), c.cores)
             else:
-                assert dev.mode == "mig" and request.mode in (None, "mig")
+                assert dev.mode == "mig" and request.modes in (None, frozenset({"mig"}))
                 prof = next(p for p in dev.mig_profiles if p.name == d.mig_profile)
                 assert prof.memory_mb >= c.mem_for(dev.devmem) and prof.core >= c.cores
 
@@ -427,7 +427,7 @@ def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: Po
                 continue
             u = use.get(dev.id, GpuUse())
             mem = c.mem_for(dev.devmem)
-            if dev.mode == "hami-core" and request.mode in (None, "hami-core"):
+            if dev.mode == "hami-core" and request.modes in (None, frozenset({"hami-core"})):
                 fitting += (
                     u.slots < dev.count
                     and dev.devmem - u.mem >= mem
@@ -435,7 +435,7 @@ def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: Po
                     and u.cores < dev.devcore
                     and (c.cores < dev.devcore or u.slots == 0)
                 )
-            elif dev.mode == "mig" and request.mode in (None, "mig") and c.count == 1:
+            elif dev.mode == "mig" and request.modes in (None, frozenset({"mig"})) and c.count == 1:
                 allowed = set(CONFIG.allowed_profiles(dev.type))
                 mask = masks.get(dev.id, 0)
                 if u.slots < dev.count and any(

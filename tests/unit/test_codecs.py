@@ -15,7 +15,15 @@ from api.hami.devices import (
 )
 from api.hami.register import decode, encode
 
+# HAMi v2.10's encoding (SPEC §2): struct key order, zero, false and empty fields left out.
 SPEC_REGISTER = (
+    '[{"id":"GPU-1","count":10,"devmem":40960,"devcore":100,'
+    '"type":"NVIDIA A100-PCIE-40GB","mode":"mig","migProfiles":'
+    '[{"name":"2g.10gb","memoryMB":9984,"core":29,"sliceCount":2,"placements":'
+    '[{"start":0,"size":2},{"start":2,"size":2},{"start":4,"size":2}]}],"health":true}]'
+)
+# What an earlier Tessera wrote (zero fields, health before mode): still read.
+OLD_TESSERA_REGISTER = (
     '[{"id":"GPU-1","index":0,"count":10,"devmem":40960,"devcore":100,'
     '"type":"NVIDIA A100-PCIE-40GB","numa":0,"health":true,"mode":"mig","migProfiles":'
     '[{"name":"2g.10gb","memoryMB":9984,"core":29,"sliceCount":2,"placements":'
@@ -27,6 +35,7 @@ def test_register_spec_example_round_trips_byte_exact() -> None:
     devices = decode(SPEC_REGISTER)
     assert devices[0].mig_profiles[0].core == 29
     assert encode(devices) == SPEC_REGISTER
+    assert decode(OLD_TESSERA_REGISTER) == devices
 
 
 def test_register_accepts_hami_omit_zero_form() -> None:

@@ -4,7 +4,7 @@ import pytest
 
 from api.errors import InvalidRequestError
 from api.hami.config import DeviceConfig
-from api.hami.policy import Policy
+from api.hami.policy import GpuPolicy, Policy
 from api.kube.objects import parse_quantity
 from scheduler_plugins.core.requests import parse_allocation, parse_request
 from tests.builders import make_pod
@@ -55,8 +55,8 @@ def test_annotations_mode_policies_and_selectors() -> None:
         .build()
     )
     req = parse_request(pod, CFG)
-    assert req.mode == "mig"
-    assert (req.node_policy, req.gpu_policy) == (Policy.SPREAD, Policy.BINPACK)
+    assert req.modes == frozenset({"mig"})
+    assert (req.node_policy, req.gpu_policy) == (Policy.SPREAD, GpuPolicy.of(Policy.BINPACK))
     assert req.use_types == ("A100", "H100")
     assert req.nouse_uuids == ("GPU-1",)
 
@@ -80,7 +80,7 @@ def test_no_gpu_request() -> None:
             "not both",
         ),
         ({"nvidia.com/gpu": 0, "nvidia.com/gpumem": 1}, {}, "nvidia.com/gpu: 0"),
-        ({"nvidia.com/gpu": 1}, {"nvidia.com/vgpu-mode": "vgpu"}, "is not one of"),
+        ({"nvidia.com/gpu": 1}, {"nvidia.com/vgpu-mode": "vgpu"}, "names none of"),
         ({"nvidia.com/gpu": 1}, {"hami.io/gpu-scheduler-policy": "tight"}, "binpack, spread"),
     ],
 )

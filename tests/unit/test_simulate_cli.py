@@ -89,10 +89,6 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
         ("kind: Node\nmetadata: {name: n}\nmetadata: [", "not valid YAML"),
         ("kind: Service\nmetadata: {name: s}\n", "expected a Node or Pod"),
         (
-            "kind: Node\nmetadata: {name: n, annotations: {hami.io/node-nvidia-register: 'x'}}\n",
-            "Node n: annotation hami.io/node-nvidia-register",
-        ),
-        (
             "kind: Pod\nmetadata: {name: p}\nspec: {nodeName: ghost, containers: []}\n"
             "status: {phase: Running}\n",
             "",
@@ -164,3 +160,27 @@ def test_config_convert_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["config", "convert", str(old), "-o", str(new)]) == 0
     assert main(["config", "check", str(new)]) == 0
     assert "migProfileAllowlist" in new.read_text()
+
+
+def test_a_node_whose_gpus_cannot_be_read_is_skipped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the live scheduler does: the rest of the cluster is simulated; the node and the pods
+    bound to it are named with the reason, on stderr and under the table."""
+    cluster = tmp_path / "cluster.yaml"
+    good = (EX / "dynamic-mig/cluster.yaml").read_text()
+    cluster.write_text(
+        good + "\n---\nkind: Node\nmetadata: {name: broken, annotations: "
+        "{hami.io/node-nvidia-register: 'x'}}\n"
+        "---\nkind: Pod\nmetadata: {name: old}\nspec: {nodeName: broken, containers: []}\n"
+        "status: {phase: Running}\n"
+    )
+    args = ("simulate", "--cluster", str(cluster), "--pods", str(EX / "dynamic-mig/pods.yaml"))
+    code, lines, err = _run(capsys, *args, "--output", "json")
+    assert code == 0
+    assert json.loads(lines[0])["status"] == "Scheduled"
+    assert "Node broken skipped: annotation hami.io/node-nvidia-register" in err
+    assert "not valid JSON" in err
+    code, lines, err = _run(capsys, *args)
+    assert code == 0
+    assert any(line.startswith("warning: Node broken skipped") for line in lines)
