@@ -41,6 +41,7 @@ from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePluginServe
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import DesiredRead, desired_from_pods
 from node_agent.nvml.backend import NvmlBackend
+from node_agent.nvml.discovery import unregistered
 from node_agent.registration import Registrar
 
 log = structlog.get_logger(__name__)
@@ -116,7 +117,9 @@ class NodeAgent:
             self.mig_manager = mig
             if mig is not None:
                 read = self._desired()
-                mig.adopt_on_start(read.desired, reason=read.reason)
+                # GPUs the config leaves out (filterdevices) are not this agent's to clean.
+                left_out = unregistered(self._backend, self._config.node(self.node_name).registers)
+                mig.adopt_on_start(read.desired, left_out, reason=read.reason)
             registrar = Registrar(self.node_name, self._kube, self._backend, self._config)
             inventory = SlotInventory(registrar.devices())
             allocator = Allocator(

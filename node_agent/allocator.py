@@ -23,6 +23,7 @@ retried Allocate completes it, returning the same MIG instance.
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from collections import Counter
@@ -43,11 +44,12 @@ from api.hami.keys import (
     BIND_PHASE,
     DEVICES_TO_ALLOCATE,
     MIG_ALLOCATIONS,
+    VGPU_NODE_LABEL,
     GpuMode,
 )
 from api.hami.matching import next_container, to_allocate
 from api.kube.errors import ConflictError, NotFoundError
-from api.kube.objects import annotations_of, as_object, pod_key
+from api.kube.objects import annotations_of, as_object, parse_quantity, pod_key
 from node_agent.deviceplugin.ids import device_id, prefer_gpus, prefer_spread
 from node_agent.deviceplugin.types import ContainerAllocation, Mount
 from node_agent.mig_manager import MigManager
@@ -111,6 +113,7 @@ class Allocator:
         node = config.node(node_name)
         self._mode: GpuMode = operating_mode or node.operating_mode
         self._scaling = node.device_memory_scaling or config.device_memory_scaling
+        self._log_level = node.lib_cuda_log_level or config.lib_cuda_log_level
         self._host_hook = host_hook_dir.rstrip("/")
         self._cache_name = cache_name
 
@@ -288,6 +291,12 @@ class Allocator:
             info = self._backend.device(i)
             gpus[info.uuid] = info
         for d in entry:
+            if d.legacy is not None:
+                raise AllocationRefusedError(
+                    f"pod {key} container {ci}: device {d.written_uuid} is a MIG slot of HAMi's "
+                    f"<= v2.9 layouts, which Tessera does not create; delete the pod so it is "
+                    f"scheduled again with a reserved MIG placement"
+                )
             dev = gpus.get(d.uuid)
             if dev is None:
                 raise AllocationRefusedError(
@@ -318,6 +327,7 @@ class Allocator:
         envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = f"{HOOK_DIR}/{self._cache_name()}.cache"
         if self._scaling > 1:
             envs["CUDA_OVERSUBSCRIBE"] = "true"
+        envs.update(self._hami_core_settings(container))
         uid = str(as_object(pod.get("metadata")).get("uid", ""))
         name = str(container.get("name", ""))
         if not _HOST_DIR_PART.match(uid) or not _HOST_DIR_PART.match(name):
@@ -335,6 +345,29 @@ class Allocator:
         if not _control_disabled(container):
             mounts.append(Mount(LD_PRELOAD, f"{self._host_hook}/vgpu/ld.so.preload", True))
         return ContainerAllocation(envs=envs, mounts=tuple(mounts))
+
+    def _hami_core_settings(self, container: Mapping[str, Any]) -> dict[str, str]:
+        """HAMi-core's switches from the device config (HAMi's webhook and device plugin
+        set the same): the core limit policy, the log level, the container's task priority."""
+        cfg = self._config
+        envs: dict[str, str] = {}
+        policy = "disable" if cfg.disable_core_limit else cfg.gpu_core_policy
+        if policy != "default":
+            envs["GPU_CORE_UTILIZATION_POLICY"] = policy
+        level = self._log_level
+        if level is not None:
+            envs["LIBCUDA_LOG_LEVEL"] = level
+        limits = as_object(as_object(container.get("resources")).get("limits"))
+        priority = limits.get(cfg.resource_priority_name)
+        if priority is not None:
+            try:
+                envs["CUDA_TASK_PRIORITY"] = str(math.ceil(parse_quantity(priority)))
+            except ValueError as e:
+                raise AllocationRefusedError(
+                    f"container {short_repr(container.get('name'))}: "
+                    f"{cfg.resource_priority_name}: {e}"
+                ) from None
+        return envs
 
     # Patching -------------------------------------------------------------------------------
 
@@ -378,11 +411,15 @@ class Allocator:
             patch = build(annotations_of(current))
             if patch is None:
                 return
-            rv = as_object(current.get("metadata")).get("resourceVersion")
+            current_meta = as_object(current.get("metadata"))
+            rv = current_meta.get("resourceVersion")
+            body: dict[str, Any] = {"annotations": patch}
+            if VGPU_NODE_LABEL not in as_object(current_meta.get("labels")):
+                # Pods bound before Tessera wrote the label (or by a scheduler that did not):
+                # HAMi's monitor finds a node's pods by it.
+                body["labels"] = {VGPU_NODE_LABEL: self.node_name}
             try:
-                self._kube.merge_patch(
-                    path, {"metadata": {"annotations": patch}}, resource_version=rv
-                )
+                self._kube.merge_patch(path, {"metadata": body}, resource_version=rv)
                 return
             except ConflictError:
                 current = self._kube.get(path)

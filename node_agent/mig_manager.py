@@ -29,10 +29,11 @@ Design
 - ``reconcile``: destroy (CI, then GI) managed instances whose key is not desired by their
   owner; adopt unmanaged instances that match a desired reservation's complete runtime
   identity. ``InUse`` (processes still running) is reported and retried on the next pass.
-- ``adopt_on_start`` (restart adoption): GPUs busy by reservations, NVML processes or the
-  caller's ``busy_gpus`` are kept; idle MIG GPUs are cleaned to a MIG-ready state (all their
-  CIs and GIs destroyed); each reservation with a complete runtime identity is checked
-  against NVML and adopted, a mismatching one is reported (neither adopted nor destroyed).
+- ``adopt_on_start`` (restart adoption): GPUs busy by reservations, NVML processes, the
+  desired set's ``held_gpus`` or the caller's ``busy_gpus`` are kept; idle MIG GPUs are
+  cleaned to a MIG-ready state (all their CIs and GIs destroyed); each reservation with a
+  complete runtime identity is checked against NVML and adopted, a mismatching one is
+  reported (neither adopted nor destroyed).
 
 Locking: one ``threading.Lock`` per GPU guards every hardware mutation on that GPU together
 with the reads that decide it (never a node-wide lock); a short state lock guards the map.
@@ -108,20 +109,24 @@ class Reservation:
 
 @dataclass(frozen=True)
 class DesiredSet:
-    """The reservations that may own instances on this node (read from the API)."""
+    """The reservations that may own instances on this node (read from the API), and the
+    GPUs live pods hold through instances Tessera did not make (``held_gpus``, by UUID: MIG
+    slots of HAMi's <= v2.9 layouts), which restart adoption must leave as they are."""
 
     reservations: tuple[Reservation, ...] = ()
+    held_gpus: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, reservations: Iterable[Reservation]) -> DesiredSet:
-        return cls(tuple(reservations))
+    def of(cls, reservations: Iterable[Reservation], held_gpus: Iterable[str] = ()) -> DesiredSet:
+        return cls(tuple(reservations), frozenset(held_gpus))
 
     def with_pod(self, pod: str, allocations: Iterable[MigAllocation]) -> DesiredSet:
         """This set plus ``pod``'s ``allocations`` (a pod being allocated is live)."""
         added = [Reservation(pod, a) for a in allocations]
         owners = {r.owner for r in added}
         return DesiredSet(
-            tuple(r for r in self.reservations if r.owner not in owners) + tuple(added)
+            tuple(r for r in self.reservations if r.owner not in owners) + tuple(added),
+            self.held_gpus,
         )
 
 
@@ -618,6 +623,7 @@ class MigManager:
             key = self._key_of(r, indexes)
             if key is not None:
                 by_gpu.setdefault(key.gpu_index, []).append((key, r))
+        held = {indexes[u] for u in desired.held_gpus if u in indexes}
         tally = _Tally()
         kept: list[int] = []
         cleaned: list[int] = []
@@ -627,6 +633,7 @@ class MigManager:
                     if not self._backend.mig_mode(idx).current:
                         continue
                     busy = idx in busy_gpus or idx in by_gpu
+                    busy = busy or idx in held
                     busy = busy or bool(self._backend.running_processes(idx))
                 except NotSupported:
                     continue  # not MIG-capable

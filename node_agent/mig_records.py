@@ -2,7 +2,9 @@
 
 ``desired_from_pods`` turns the pods the API listed (plain JSON dicts) into the
 ``DesiredSet`` the MIG manager reconciles against: every ``hami.io/vgpu-mig-allocations``
-entry of the pods on this node that are not deleting and not Succeeded/Failed. Reading is
+entry of the pods on this node that are not deleting and not Succeeded/Failed, and the GPUs
+those pods hold through HAMi <= v2.9 MIG slots (``GPU-…[t-s]`` in their devices), which
+restart adoption must not clean. Reading is
 all-or-nothing: one malformed record (bad JSON, partial runtime identity, duplicate slot,
 two pods reserving overlapping placements of one GPU) makes the whole set unreadable
 (``desired`` None, with the reason), because a partial set would authorize destroying
@@ -22,10 +24,11 @@ from api.errors import InvalidAnnotationError
 from api.hami.devices import (
     MigAllocation,
     RuntimeIdentity,
+    decode_devices,
     decode_mig_allocations,
     encode_mig_allocations,
 )
-from api.hami.keys import MIG_ALLOCATIONS, VGPU_NODE
+from api.hami.keys import DEVICES_ALLOCATED, MIG_ALLOCATIONS, VGPU_NODE
 from node_agent.mig_manager import UNREADABLE, DesiredSet, Reservation
 
 TERMINAL_PHASES: Final = ("Succeeded", "Failed")
@@ -48,41 +51,68 @@ def desired_from_pods(
 ) -> DesiredRead:
     """The desired set of the pods on ``node_name`` (None: the caller already filtered)."""
     reservations: list[Reservation] = []
+    held: set[str] = set()
     try:
         for pod in pods:
-            reservations.extend(_live_reservations(pod, node_name))
+            live = _live(pod, node_name)
+            if live is None:
+                continue
+            key, annotations = live
+            reservations.extend(_reservations(key, annotations))
+            held.update(_legacy_gpus(key, annotations))
     except (InvalidAnnotationError, _MalformedPod) as e:
         return DesiredRead.unreadable(str(e))
     conflict = _overlap(reservations)
     if conflict:
         return DesiredRead.unreadable(conflict)
-    return DesiredRead(DesiredSet.of(reservations))
+    return DesiredRead(DesiredSet.of(reservations, held))
 
 
 class _MalformedPod(ValueError):
     pass
 
 
-def _live_reservations(pod: Mapping[str, Any], node_name: str | None) -> list[Reservation]:
+def _live(pod: Mapping[str, Any], node_name: str | None) -> tuple[str, Mapping[str, Any]] | None:
+    """(namespace/name, annotations) of a pod that holds what it was given on ``node_name``;
+    None for a deleting or finished pod, or one on another node."""
     if not isinstance(pod, Mapping):
         raise _MalformedPod(f"pod list item is not an object: {type(pod).__name__}")
     meta = _obj(pod, "metadata", "pod")
     key = f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
     annotations = _obj(meta, "annotations", f"pod {key} metadata")
-    value = annotations.get(MIG_ALLOCATIONS)
-    if value is None:
-        return []
+    if MIG_ALLOCATIONS not in annotations and DEVICES_ALLOCATED not in annotations:
+        return None
     if meta.get("deletionTimestamp"):
-        return []
+        return None
     if _obj(pod, "status", f"pod {key}").get("phase") in TERMINAL_PHASES:
-        return []
+        return None
     if node_name is not None:
         node = _obj(pod, "spec", f"pod {key}").get("nodeName") or annotations.get(VGPU_NODE)
         if node != node_name:
-            return []
+            return None
+    return key, annotations
+
+
+def _reservations(key: str, annotations: Mapping[str, Any]) -> list[Reservation]:
+    value = annotations.get(MIG_ALLOCATIONS)
+    if value is None:
+        return []
     if not isinstance(value, str):
         raise _MalformedPod(f"pod {key}: annotation {MIG_ALLOCATIONS} is not a string")
     return [Reservation(key, a) for a in decode_mig_allocations(value, obj=f"pod {key}")]
+
+
+def _legacy_gpus(key: str, annotations: Mapping[str, Any]) -> set[str]:
+    """GPUs the pod holds through MIG slots of HAMi's <= v2.9 layouts (``GPU-…[t-s]``)."""
+    value = annotations.get(DEVICES_ALLOCATED)
+    if value is None:
+        return set()
+    if not isinstance(value, str):
+        raise _MalformedPod(f"pod {key}: annotation {DEVICES_ALLOCATED} is not a string")
+    if "[" not in value:
+        return set()  # no legacy slot (a malformed value is the scheduler's to report)
+    devices = decode_devices(value, key=DEVICES_ALLOCATED, obj=f"pod {key}")
+    return {d.uuid for container in devices for d in container if d.legacy is not None}
 
 
 def _obj(parent: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:

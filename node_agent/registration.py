@@ -57,6 +57,8 @@ class Registrar:
         self._mode = node.operating_mode
         self._split = node.device_split_count or config.device_split_count
         self._scaling = node.device_memory_scaling or config.device_memory_scaling
+        self._core_scaling = node.device_core_scaling or config.device_core_scaling
+        self._registers = node.registers
 
     def devices(self) -> tuple[GpuDevice, ...]:
         return discover(
@@ -65,6 +67,8 @@ class Registrar:
             self._mode,
             self._split,
             self._scaling,
+            core_scaling=self._core_scaling,
+            registers=self._registers,
         )
 
     def sync(self) -> bool:

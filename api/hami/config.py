@@ -12,15 +12,20 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, Literal, TypeVar, cast
 
 import yaml
 
 from api.errors import InvalidConfigError, short_repr
 from api.hami.keys import GPU_MODES, GpuMode
-from api.hami.policy import PlacementStrategy, Policy
+from api.hami.policy import GpuPolicy, PlacementStrategy, Policy
 
 CONFIG_VERSION: Final = "v1"
+
+GpuCorePolicy = Literal["default", "force", "disable"]
+GPU_CORE_POLICIES: Final[tuple[GpuCorePolicy, ...]] = ("default", "force", "disable")
+LibCudaLogLevel = Literal["0", "1", "3", "4"]
+LIB_CUDA_LOG_LEVELS: Final[tuple[LibCudaLogLevel, ...]] = ("0", "1", "3", "4")
 
 T = TypeVar("T")
 
@@ -62,6 +67,14 @@ class NodeConfig:
     operating_mode: GpuMode = "hami-core"
     device_split_count: int | None = None
     device_memory_scaling: float | None = None
+    device_core_scaling: float | None = None
+    lib_cuda_log_level: LibCudaLogLevel | None = None
+    # ``filterdevices``: GPUs the node agent leaves out of the registration.
+    filter_uuids: frozenset[str] = frozenset()
+    filter_indexes: frozenset[int] = frozenset()
+
+    def registers(self, uuid: str, index: int) -> bool:
+        return uuid not in self.filter_uuids and index not in self.filter_indexes
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,18 @@ class DeviceConfig:
     mig_placement_policy: PlacementStrategy = PlacementStrategy.FRAGMENTATION_AWARE
     nodeconfig: tuple[NodeConfig, ...] = ()
     default_node_policy: Policy = Policy.BINPACK
-    default_gpu_policy: Policy = Policy.SPREAD
+    # A chain, as HAMi's --gpu-scheduler-policy.
+    default_gpu_policy: GpuPolicy = field(default_factory=GpuPolicy)
+    # HAMi's container-facing settings: the gpumem unit, registered cores per GPU, the
+    # HAMi-core environment the node agent hands out, and what the webhook sets on pods.
+    memory_factor: int = 1
+    device_core_scaling: float = 1.0
+    resource_priority_name: str = "nvidia.com/priority"
+    gpu_core_policy: GpuCorePolicy = "default"
+    disable_core_limit: bool = False
+    lib_cuda_log_level: LibCudaLogLevel | None = None
+    runtime_class_name: str = ""
+    overwrite_env: bool = False
     node_score_cpu_memory: bool = False
     _nodes: Mapping[str, NodeConfig] = field(default_factory=dict, compare=False, repr=False)
 
@@ -98,19 +122,28 @@ class DeviceConfig:
         return ()
 
 
-# HAMi fields Tessera accepts for compatibility but does not use.
+# HAMi fields Tessera accepts for compatibility but does not use (docs/hami-compatibility.md
+# says why for each).
 _IGNORED_NVIDIA_KEYS: Final = frozenset(
     {
-        "resourcePriorityName",
-        "overwriteEnv",
-        "gpuCorePolicy",
-        "libCudaLogLevel",
+        "preConfiguredDeviceMemory",
+        "enableNumaTopology",
         "defaultGPUCoreScaling",
-        "deviceCoreScaling",
         "disablecorelimit",
         "migstrategy",
         "migStrategy",
         "gpuMemoryFactor",
+        "mockModeSkipHealthCheck",
+        "dynamicConfigFile",
+    }
+)
+# Per-node keys of HAMi's device-plugin config Tessera accepts but does not use.
+_IGNORED_NODE_KEYS: Final = frozenset(
+    {
+        "migstrategy",
+        "enablegetpreferredallocation",
+        "preconfigureddevicememory",
+        "enablenumatopology",
     }
 )
 _VENDOR_SECTIONS: Final = frozenset(
@@ -213,6 +246,14 @@ def parse_config(raw: Mapping[str, Any]) -> DeviceConfig:
         "migProfileAllowlist",
         "migPlacementPolicy",
         "nodeconfig",
+        "memoryFactor",
+        "deviceCoreScaling",
+        "resourcePriorityName",
+        "gpuCorePolicy",
+        "disableCoreLimit",
+        "libCudaLogLevel",
+        "runtimeClassName",
+        "overwriteEnv",
     }
     for key in nv:
         if key not in known and key not in _IGNORED_NVIDIA_KEYS:
@@ -257,10 +298,69 @@ def parse_config(raw: Mapping[str, Any]) -> DeviceConfig:
             sched, "defaultNodePolicy", Policy.parse, d.default_node_policy, "scheduler"
         ),
         default_gpu_policy=_enum(
-            sched, "defaultGpuPolicy", Policy.parse, d.default_gpu_policy, "scheduler"
+            sched, "defaultGpuPolicy", _gpu_policy, d.default_gpu_policy, "scheduler"
         ),
         node_score_cpu_memory="cpu" in resources,
+        # HAMi reads 0 (its default) as 1.
+        memory_factor=max(1, _int(nv, "memoryFactor", d.memory_factor, 0, 1 << 20, "nvidia")),
+        device_core_scaling=_float(nv, "deviceCoreScaling", d.device_core_scaling, "nvidia"),
+        resource_priority_name=_str(nv, "resourcePriorityName", d.resource_priority_name),
+        gpu_core_policy=_choice(
+            nv, "gpuCorePolicy", GPU_CORE_POLICIES, d.gpu_core_policy, "nvidia"
+        ),
+        disable_core_limit=_bool(nv, "disableCoreLimit", d.disable_core_limit, "nvidia"),
+        lib_cuda_log_level=_log_level(nv, "libCudaLogLevel", "nvidia"),
+        runtime_class_name=_name(nv, "runtimeClassName", "nvidia"),
+        overwrite_env=_bool(nv, "overwriteEnv", d.overwrite_env, "nvidia"),
     )
+
+
+def _choice(m: Mapping[str, Any], key: str, valid: Sequence[T], default: T, sect: str) -> T:
+    v = m.get(key, default)
+    if v not in valid:
+        raise InvalidConfigError(
+            f"{sect}.{key}", f"{short_repr(v)} is not one of {', '.join(map(str, valid))}"
+        )
+    return cast("T", v)
+
+
+def _bool(m: Mapping[str, Any], key: str, default: bool, sect: str) -> bool:
+    v = m.get(key, default)
+    if not isinstance(v, bool):
+        raise InvalidConfigError(f"{sect}.{key}", f"must be true or false, got {short_repr(v)}")
+    return v
+
+
+def _log_level(m: Mapping[str, Any], key: str, sect: str) -> LibCudaLogLevel | None:
+    """HAMi-core's LIBCUDA_LOG_LEVEL: 0 errors, 1 warnings, 3 infos, 4 debugs (a YAML number
+    or string)."""
+    v = m.get(key)
+    if v is None:
+        return None
+    text = str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    return _choice({key: text}, key, LIB_CUDA_LOG_LEVELS, "0", sect)
+
+
+_DNS_SUBDOMAIN: Final = re.compile(r"\A[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
+
+
+def _name(m: Mapping[str, Any], key: str, sect: str) -> str:
+    v = m.get(key, "")
+    if v == "":
+        return ""
+    if not isinstance(v, str) or not _DNS_SUBDOMAIN.match(v):
+        raise InvalidConfigError(
+            f"{sect}.{key}", f"must be a RuntimeClass name (DNS subdomain), got {short_repr(v)}"
+        )
+    return v
+
+
+def _gpu_policy(value: str) -> GpuPolicy:
+    if not value.strip():
+        raise ValueError(
+            "is empty; name a GPU policy or a comma chain, e.g. spread or binpack,numa"
+        )
+    return GpuPolicy.parse(value)
 
 
 def _mapping(v: object, path: str) -> dict[str, Any]:
@@ -362,8 +462,9 @@ def _nodeconfig(v: object) -> tuple[NodeConfig, ...]:
         "devicesplitcount",
         "devicememoryscaling",
         "devicecorescaling",
-        "migstrategy",
+        "libcudaloglevel",
         "filterdevices",
+        *_IGNORED_NODE_KEYS,
     }
     for i, e in enumerate(v):
         ep = f"{path}[{i}]"
@@ -390,7 +491,23 @@ def _nodeconfig(v: object) -> tuple[NodeConfig, ...]:
         scaling = em.get("devicememoryscaling")
         if scaling is not None:
             scaling = _float(em, "devicememoryscaling", 1.0, ep)
-        out.append(NodeConfig(name, cast("GpuMode", mode), split, scaling))
+        core_scaling = em.get("devicecorescaling")
+        if core_scaling is not None:
+            core_scaling = _float(em, "devicecorescaling", 1.0, ep)
+        log_level = _log_level(em, "libcudaloglevel", ep)
+        uuids, indexes = _filter_devices(em.get("filterdevices"), f"{ep}.filterdevices")
+        out.append(
+            NodeConfig(
+                name,
+                cast("GpuMode", mode),
+                split,
+                scaling,
+                core_scaling,
+                log_level,
+                uuids,
+                indexes,
+            )
+        )
     return tuple(out)
 
 
@@ -441,3 +558,24 @@ def convert_known_geometries(text: str) -> str:
 
 def profile_names(entries: Sequence[AllowlistEntry]) -> frozenset[str]:
     return frozenset(p for e in entries for p in e.profiles)
+
+
+def _filter_devices(v: object, path: str) -> tuple[frozenset[str], frozenset[int]]:
+    """HAMi's ``filterdevices: {uuid: [...], index: [...]}``."""
+    if v is None:
+        return frozenset(), frozenset()
+    m = _mapping(v, path)
+    extra = set(m) - {"uuid", "index"}
+    if extra:
+        raise InvalidConfigError(
+            f"{path}.{sorted(map(str, extra))[0]}", "unknown field; valid: uuid, index"
+        )
+    uuids = _str_list(m.get("uuid") or [], f"{path}.uuid")
+    indexes = m.get("index") or []
+    if not isinstance(indexes, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1024 for i in indexes
+    ):
+        raise InvalidConfigError(
+            f"{path}.index", f"must be a list of GPU indexes, got {short_repr(indexes)}"
+        )
+    return frozenset(uuids), frozenset(indexes)

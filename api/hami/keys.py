@@ -13,6 +13,7 @@ DEVICE_CORDON: Final = "hami.io/device-cordon"  # GPUs that take no new allocati
 # Pod annotations the scheduler writes (VGPU_NODE is also a pod label of the same name).
 
 VGPU_NODE: Final = "hami.io/vgpu-node"
+VGPU_NODE_LABEL: Final = VGPU_NODE  # the same key, as a pod label
 BIND_TIME: Final = "hami.io/bind-time"
 BIND_PHASE: Final = "hami.io/bind-phase"
 DEVICES_ALLOCATED: Final = "hami.io/vgpu-devices-allocated"

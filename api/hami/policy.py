@@ -108,10 +108,6 @@ class GpuPolicy:
                 )
         return cls(tuple(keys) or (GpuSortKey.SPREAD,), mutex, topology)
 
-    @classmethod
-    def of(cls, policy: Policy) -> GpuPolicy:
-        return cls((GpuSortKey(policy.value),))
-
     def numa_first(self) -> GpuPolicy:
         """The chain with numa moved to the front (``nvidia.com/numa-bind``)."""
         rest = tuple(k for k in self.keys if k is not GpuSortKey.NUMA)

@@ -38,11 +38,18 @@ def discover(
     mode: GpuMode,
     split_count: int,
     memory_scaling: float,
+    *,
+    core_scaling: float = 1.0,
+    registers: Callable[[str, int], bool] = lambda _uuid, _index: True,
 ) -> tuple[GpuDevice, ...]:
-    """The GPUs of this node as it registers them (``backend`` must be initialized)."""
+    """The GPUs of this node as it registers them (``backend`` must be initialized), but
+    those ``registers`` leaves out (``filterdevices``). A hami-core GPU registers
+    ``core_scaling`` × 100 cores (HAMi's ``deviceCoreScaling``)."""
     devices: list[GpuDevice] = []
     for index in range(backend.device_count()):
         dev = backend.device(index)
+        if not registers(dev.uuid, dev.index):
+            continue
         profiles: tuple[MigProfile, ...] = ()
         if mode == "mig":
             profiles = mig_profiles(backend, dev, allowlist_profiles_for(dev.name))
@@ -52,7 +59,7 @@ def discover(
                 index=dev.index,
                 count=split_count,
                 devmem=int(dev.memory_mib * (memory_scaling if mode == "hami-core" else 1.0)),
-                devcore=100,
+                devcore=int(100 * (core_scaling if mode == "hami-core" else 1.0)),
                 type=dev.name,
                 numa=dev.numa_node,
                 health=dev.healthy,
@@ -61,6 +68,16 @@ def discover(
             )
         )
     return tuple(devices)
+
+
+def unregistered(backend: NvmlBackend, registers: Callable[[str, int], bool]) -> frozenset[int]:
+    """Indexes of the GPUs ``registers`` leaves out: not this agent's to touch."""
+    out = set()
+    for index in range(backend.device_count()):
+        dev = backend.device(index)
+        if not registers(dev.uuid, dev.index):
+            out.add(index)
+    return frozenset(out)
 
 
 def mig_profiles(

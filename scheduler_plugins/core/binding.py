@@ -1,4 +1,4 @@
-"""The annotations the scheduler writes at bind, from a pod's plan."""
+"""What the scheduler writes on a pod at bind, from its plan: the annotations and the label."""
 
 from __future__ import annotations
 
@@ -26,3 +26,9 @@ def bind_annotations(plan: PodPlan, *, bind_time: int | None = None) -> dict[str
         out[ann.BIND_TIME] = encode_bind_time(bind_time)
         out[ann.BIND_PHASE] = "allocating"
     return out
+
+
+def bind_labels(plan: PodPlan) -> dict[str, str]:
+    """The pod labels written with the annotations: ``hami.io/vgpu-node``, as HAMi writes it
+    (its monitor lists a node's GPU pods by it)."""
+    return {ann.VGPU_NODE_LABEL: plan.node}

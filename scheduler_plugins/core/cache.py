@@ -108,6 +108,7 @@ class ClusterCache:
         self.generation = 0
         self._listeners: list[Callable[[], None]] = []
         self._settled_listeners: list[Callable[[str], None]] = []
+        self._legacy_listeners: list[Callable[[Obj, PodAllocation], object]] = []
         self._node_seen: dict[str, tuple[object, ...]] = {}
         self._pod_seen: dict[str, tuple[object, ...]] = {}
         # The allocation last parsed from each pod, with what it was parsed from (node, the
@@ -148,6 +149,12 @@ class ClusterCache:
         node or gone: from then on no scheduler will Unreserve it."""
         with self.lock:
             self._settled_listeners.append(callback)
+
+    def on_legacy_mig(self, callback: Callable[[Obj, PodAllocation], object]) -> None:
+        """Call ``callback(pod, allocation)`` (under the lock; keep it short) when a pod is
+        read holding MIG devices HAMi <= v2.9 placed: their GPUs take no new work."""
+        with self.lock:
+            self._legacy_listeners.append(callback)
 
     def _settled(self, key: str) -> None:
         for cb in self._settled_listeners:
@@ -297,6 +304,9 @@ class ClusterCache:
             else:
                 alloc = parse_allocation(pod)
                 self._parsed[key] = (source, alloc)
+                if alloc is not None and any(d.legacy is not None for d in alloc.devices):
+                    for cb in self._legacy_listeners:
+                        cb(pod, alloc)
         except InvalidInputError as e:
             # Fail closed: what the pod held before still counts.
             log.warning(

@@ -154,13 +154,18 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
                 f"container {short_repr(cname)}: set either {config.resource_memory_name} or "
                 f"{config.resource_memory_percentage_name}, not both",
             )
+        # 0 is "not asked" for both, as HAMi reads them; gpumem is in units of memoryFactor MiB.
+        factor = config.memory_factor
         mem = (
-            _int_resource(key, cname, config.resource_memory_name, mem_raw, 1, 2**31 - 1)
+            factor
+            * _int_resource(
+                key, cname, config.resource_memory_name, mem_raw, 0, (2**31 - 1) // factor
+            )
             if mem_raw is not None
             else 0
         )
         pct = (
-            _int_resource(key, cname, config.resource_memory_percentage_name, pct_raw, 1, 100)
+            _int_resource(key, cname, config.resource_memory_percentage_name, pct_raw, 0, 100)
             if pct_raw is not None
             else 0
         )
@@ -204,7 +209,7 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
         raise InvalidRequestError(key, str(e)) from None
     try:
         gpu_policy = GpuPolicy.parse(
-            annotations.get(ann.GPU_POLICY, ""), default=GpuPolicy.of(config.default_gpu_policy)
+            annotations.get(ann.GPU_POLICY, ""), default=config.default_gpu_policy
         )
     except ValueError as e:
         raise InvalidRequestError(key, f"annotation {ann.GPU_POLICY}: {e}") from None

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 import structlog
@@ -37,7 +37,7 @@ from api.errors import TesseraError
 from api.hami import keys as ann
 from api.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
 from scheduler_plugins.core import ranking
-from scheduler_plugins.core.binding import bind_annotations
+from scheduler_plugins.core.binding import bind_annotations, bind_labels
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.explain import explain, node_reasons, rejection_reasons
@@ -118,6 +118,13 @@ class Spans(Protocol):
 class _NoSpans:
     def span(self, name: str) -> AbstractContextManager[object]:
         return nullcontext()
+
+
+class Handed(NamedTuple):
+    """What the shim's Binding (or the server's patch) writes on the pod with its node."""
+
+    annotations: dict[str, str]
+    labels: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -267,10 +274,10 @@ class Reservations:
 
     def reserve(
         self, ident: str, key: str, node: str, decision_id: int, *, hand_over: bool
-    ) -> dict[str, str] | None:
-        """Count the pod's plan on ``node`` now. With ``hand_over``: the bind annotations when
-        nothing on the node makes the pod wait (the shim binds with them and skips PreBind),
-        else None (PreBind waits and hands them over)."""
+    ) -> Handed | None:
+        """Count the pod's plan on ``node`` now. With ``hand_over``: the bind annotations and
+        labels when nothing on the node makes the pod wait (the shim binds with them and skips
+        PreBind), else None (PreBind waits and hands them over)."""
         self._refuse_while_written(key)
         self._settle_unsure(key)
         with self._spans.span("reserve"), self._cache.lock:
@@ -320,7 +327,7 @@ class Reservations:
 
     def prebind(
         self, ident: str, key: str, node: str, uid: str, call: Call, *, hand_over: bool
-    ) -> dict[str, str]:
+    ) -> Handed:
         """Claim ``node`` for the pod once no ambiguous pod is allocating there (waiting at
         most one call's time), then hand the bind annotations over (``hand_over``: the shim
         writes them in the Binding) or write them in one merge patch (guarded by ``uid``)."""
@@ -344,10 +351,11 @@ class Reservations:
                 res.patched = annotations
             else:
                 res.writing = annotations
+        labels = bind_labels(res.plan)
         if hand_over:
             log.info("bind annotations handed over", pod=key, node=node)
-            return annotations
-        body: dict[str, Any] = {"metadata": {"annotations": annotations}}
+            return Handed(annotations, labels)
+        body: dict[str, Any] = {"metadata": {"annotations": annotations, "labels": labels}}
         if uid:
             body["metadata"]["uid"] = uid  # never annotate a recreated namesake
         failure: TesseraError | None = None
@@ -376,11 +384,11 @@ class Reservations:
         if failure is not None:
             raise failure
         log.info("bind annotations written", pod=key, node=node)
-        return annotations
+        return Handed(annotations, labels)
 
     # ----- helpers -----------------------------------------------------------------------
 
-    def _hand_over_now(self, key: str, res: _Reservation) -> dict[str, str] | None:
+    def _hand_over_now(self, key: str, res: _Reservation) -> Handed | None:
         """Reserve's hand-over (caller holds the cache lock): claim the node for the pod
         now when no pod it must wait for is allocating there, and give the annotations to
         the shim's Binding; it then skips PreBind (one RPC less per pod). None: PreBind
@@ -390,7 +398,7 @@ class Reservations:
             return None
         self._cache.claim(key, res.plan.node, annotations)
         res.patched = annotations  # from now on they may be on the pod
-        return annotations
+        return Handed(annotations, bind_labels(res.plan))
 
     def _settle_cancelled(self, key: str, node: str, written: Mapping[str, str]) -> None:
         """Unreserve's work for a reservation whose PreBind patch was in flight then: take
@@ -510,7 +518,12 @@ class Reservations:
         gone through, and then these annotations are the pod's allocation. Whether the
         annotations are gone (or the pod is)."""
         path = _pod_path(key)
-        undo = {"metadata": {"annotations": dict.fromkeys(patched)}}
+        undo = {
+            "metadata": {
+                "annotations": dict.fromkeys(patched),
+                "labels": dict.fromkeys((ann.VGPU_NODE_LABEL,)),
+            }
+        }
         for _ in range(3):
             try:
                 pod = self._kube.get(path)
@@ -640,6 +653,7 @@ def _put(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
 __all__ = [
     "DEFAULT_PREBIND_WAIT_S",
     "Call",
+    "Handed",
     "NoDecision",
     "Offer",
     "PodWriter",

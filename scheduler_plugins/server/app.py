@@ -33,7 +33,7 @@ from api.sockets import (
 )
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.reservations import DEFAULT_PREBIND_WAIT_S
-from scheduler_plugins.server.events import EventRecorder
+from scheduler_plugins.server.events import EventRecorder, PodEventTarget
 from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
 from scheduler_plugins.server.servicer import SchedulerServicer
 from scheduler_plugins.server.tracing import Tracing
@@ -135,6 +135,9 @@ class PluginServer:
         self.metrics_address = ""  # HOST:PORT serving /metrics, set by start()
         self.watches = Watches(kube, self.cache, watch_timeout_s=watch_timeout_s, backoff=backoff)
         self.events = EventRecorder(kube, min_interval_s=event_interval_s)
+        self.cache.on_legacy_mig(
+            lambda pod, alloc: self.events.legacy_mig(PodEventTarget.of(pod), alloc)
+        )
         self.servicer = SchedulerServicer(
             self.cache,
             kube,

@@ -1,8 +1,11 @@
-"""Kubernetes Events that say why a pending GPU pod cannot be placed.
+"""Kubernetes Events that say why a pending GPU pod cannot be placed, or why a placed one
+keeps its GPU from new work.
 
 kube-scheduler writes the PodScheduled condition from the status the shim returns; this adds a
 Warning Event (reason ``TesseraUnschedulable``) with the per-node-class explanation, at most
-once per ``min_interval_s`` per pod unless the explanation changes. Posting happens on a
+once per ``min_interval_s`` per pod unless the explanation changes. A pod holding MIG devices
+HAMi <= v2.9 placed gets one (reason ``TesseraLegacyMigDevice``) when the plugin server reads
+it, with what to do. Posting happens on a
 worker thread so a slow apiserver never delays a scheduling cycle; when the queue is full the
 event is dropped (the next cycle records it again).
 """
@@ -14,7 +17,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -22,10 +25,13 @@ from typing import Any, Protocol
 import structlog
 
 from api.kube.errors import KubeError
+from api.kube.objects import as_object
+from scheduler_plugins.core.requests import PodAllocation
 
 log = structlog.get_logger("tessera.plugin_server.events")
 
 REASON = "TesseraUnschedulable"
+LEGACY_MIG_REASON = "TesseraLegacyMigDevice"
 COMPONENT = "tessera-plugin-server"
 _MAX_MESSAGE = 1024
 _MAX_PODS_REMEMBERED = 10_000
@@ -40,6 +46,15 @@ class PodEventTarget:
     namespace: str
     name: str
     uid: str
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> PodEventTarget:
+        meta = as_object(pod.get("metadata"))
+        return cls(
+            str(meta.get("namespace") or "default"),
+            str(meta.get("name", "")),
+            str(meta.get("uid", "")),
+        )
 
 
 class EventRecorder:
@@ -84,7 +99,22 @@ class EventRecorder:
 
     def unschedulable(self, pod: PodEventTarget, message: str) -> bool:
         """Queue a Warning Event for ``pod``; False when rate-limited or the queue is full."""
-        key = pod.uid or f"{pod.namespace}/{pod.name}"
+        return self._warn(pod, REASON, message)
+
+    def legacy_mig(self, pod: PodEventTarget, alloc: PodAllocation) -> bool:
+        """Queue a Warning Event: ``pod`` holds MIG devices HAMi <= v2.9 placed."""
+        slots = ", ".join(d.written_uuid for d in alloc.devices if d.legacy is not None)
+        gpus = ", ".join(sorted({d.uuid for d in alloc.devices if d.legacy is not None}))
+        return self._warn(
+            pod,
+            LEGACY_MIG_REASON,
+            f"holds MIG devices HAMi <= v2.9 placed on node {alloc.node} ({slots}), whose "
+            f"placement Tessera cannot know: GPU {gpus} takes no new work while the pod runs. "
+            "Delete the pod to have it scheduled again with a reserved MIG placement",
+        )
+
+    def _warn(self, pod: PodEventTarget, reason: str, message: str) -> bool:
+        key = f"{reason}/{pod.uid or f'{pod.namespace}/{pod.name}'}"
         now = self._clock()
         with self._lock:
             last = self._last.get(key)
@@ -95,13 +125,13 @@ class EventRecorder:
             while len(self._last) > _MAX_PODS_REMEMBERED:
                 self._last.popitem(last=False)
         try:
-            self._queue.put_nowait(self._event(pod, message))
+            self._queue.put_nowait(self._event(pod, reason, message))
         except queue.Full:
             log.warning("event queue full; event dropped", pod=f"{pod.namespace}/{pod.name}")
             return False
         return True
 
-    def _event(self, pod: PodEventTarget, message: str) -> dict[str, Any]:
+    def _event(self, pod: PodEventTarget, reason: str, message: str) -> dict[str, Any]:
         ts = datetime.fromtimestamp(self._wall_clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         if len(message) > _MAX_MESSAGE:
             message = message[: _MAX_MESSAGE - 1] + "…"
@@ -116,7 +146,7 @@ class EventRecorder:
                 "name": pod.name,
                 "uid": pod.uid,
             },
-            "reason": REASON,
+            "reason": reason,
             "message": message,
             "type": "Warning",
             "source": {"component": COMPONENT},

@@ -68,6 +68,9 @@ ZONE: Final = "vGPU"
 MIB: Final = 1 << 20
 MIG_INSTANCE_INFO: Final = "hami_node_gpu_mig_instance_info"
 RESERVATIONS_HELD: Final = "tessera_scheduler_reservations_held"
+GPU_UNAVAILABLE: Final = "tessera_gpu_unavailable"
+# Why a whole GPU takes no new work (each a ``reason`` label value of GPU_UNAVAILABLE).
+UNAVAILABLE_REASONS: Final = ("legacy_mig", "cordoned", "mig_conflict")
 
 DECISION_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # PreBind may wait (bounded by --prebind-wait) for an ambiguous pod on the node.
@@ -410,6 +413,10 @@ class StateSnapshot:
     mig_pods: tuple[_MigLines, ...]
     mig_lines: tuple[bytes, ...]  # every pod's, each once
     reservations_held: int | None
+    # Per GPU row: devices HAMi <= v2.9 placed on MIG, cordoned, inconsistent MIG records.
+    legacy: npt.NDArray[np.int32]
+    cordoned: npt.NDArray[np.bool_]
+    conflict: npt.NDArray[np.int32]
 
     def mig_instances(self) -> tuple[MigInstance, ...]:
         """The instances of ``mig_lines``, in the same order."""
@@ -579,6 +586,26 @@ def _mig_family(snap: StateSnapshot) -> RenderedGauge | None:
     )
 
 
+def _unavailable_family(snap: StateSnapshot) -> GaugeMetricFamily | None:
+    """One sample per GPU that takes no new work and why (few rows: built plainly)."""
+    if not len(snap.legacy):
+        return None  # no GPUs: no families at all
+    family = GaugeMetricFamily(
+        GPU_UNAVAILABLE,
+        "1 for a GPU that takes no new work, by reason: legacy_mig (it holds MIG devices HAMi "
+        "<= v2.9 placed, whose placement is unknown), cordoned (hami.io/device-cordon), "
+        "mig_conflict (its MIG records overlap or are inconsistent)",
+        labels=(*LABEL_NAMES["gpu"], "reason"),
+    )
+    rows = snap.gpus
+    for reason, flags in zip(
+        UNAVAILABLE_REASONS, (snap.legacy > 0, snap.cordoned, snap.conflict > 0), strict=True
+    ):
+        for i in np.flatnonzero(flags).tolist():
+            family.add_metric([*rows.label_values("gpu", i), reason], 1.0)
+    return family
+
+
 _has_mig: Final = operator.attrgetter("mig")
 
 
@@ -614,6 +641,7 @@ class StateCollector(Collector):
                 layout = LayoutCopy.of(state)
             g = state.gpus
             used = (g.used_slots.copy(), g.used_mem.copy(), g.used_cores.copy())
+            blocked = (g.legacy.copy(), g.cordoned.copy(), g.conflict.copy())
             allocations = list(state.allocations())
             held = self._reservations.held() if self._reservations is not None else None
         if layout is not None:
@@ -623,7 +651,19 @@ class StateCollector(Collector):
         mig_pods = self._mig(allocations, rows)
         # Two pods claiming one instance would be an inconsistent state; export it once.
         lines = tuple(dict.fromkeys(line for pod in mig_pods for line in pod.lines))
-        return StateSnapshot(rows, used_slots, used_mem, used_cores, mig_pods, lines, held)
+        legacy, cordoned, conflict = blocked
+        return StateSnapshot(
+            rows,
+            used_slots,
+            used_mem,
+            used_cores,
+            mig_pods,
+            lines,
+            held,
+            legacy[rows.rows],
+            cordoned[rows.rows],
+            conflict[rows.rows],
+        )
 
     def _mig(self, allocations: list[PodAllocation], rows: GpuRows) -> tuple[_MigLines, ...]:
         version, before = self._mig_lines
@@ -642,7 +682,7 @@ class StateCollector(Collector):
         return tuple(now.values())
 
     def describe(self) -> Iterable[Metric]:
-        names = [g.name for g in GPU_GAUGES] + [MIG_INSTANCE_INFO]
+        names = [g.name for g in GPU_GAUGES] + [MIG_INSTANCE_INFO, GPU_UNAVAILABLE]
         if self._reservations is not None:
             names.append(RESERVATIONS_HELD)
         return [GaugeMetricFamily(n, "") for n in names]
@@ -651,6 +691,7 @@ class StateCollector(Collector):
         snap = self.snapshot()
         families: list[Metric | None] = [_gpu_family(g, snap) for g in GPU_GAUGES]
         families.append(_mig_family(snap))
+        families.append(_unavailable_family(snap))
         if snap.reservations_held is not None:
             families.append(
                 GaugeMetricFamily(

@@ -242,7 +242,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             _abort(grpc.StatusCode.ABORTED, f"{e}; schedule it again")
         except Exception as e:
             _translate(e)
-        return pb.ReserveResponse(annotations=handed)
+        if handed is None:
+            return pb.ReserveResponse()
+        return pb.ReserveResponse(annotations=handed.annotations, labels=handed.labels)
 
     def _unreserve(
         self, request: pb.UnreserveRequest, context: grpc.ServicerContext
@@ -259,7 +261,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         self._check_ready()
         ident, key = _ident(request.pod)
-        annotations = _call(
+        handed = _call(
             self._lifecycle.prebind,
             ident,
             key,
@@ -268,7 +270,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             _GrpcCall(context),
             hand_over=request.hand_over,
         )
-        return pb.PreBindResponse(annotations=annotations)
+        return pb.PreBindResponse(annotations=handed.annotations, labels=handed.labels)
 
     # ----- checks ------------------------------------------------------------------------
 

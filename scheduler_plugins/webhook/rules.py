@@ -19,6 +19,9 @@ Rules, in the order a user meets them:
   requests that no GPU could ever satisfy are refused (400): the same validation the
   scheduler applies (``pods.parse_request``: whole numbers, ranges, annotations) plus, when
   nodes are known, more devices than any node holds or more memory than any GPU has.
+- From the device config, as HAMi's webhook: ``runtimeClassName`` on Tessera's pods that name
+  none; with ``overwriteEnv``, ``NVIDIA_VISIBLE_DEVICES=none`` on their containers that ask
+  for no GPU.
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ def review_pod(
     if scheduler != settings.scheduler_name:
         patch.append(PatchOp(pointer("spec", "schedulerName"), settings.scheduler_name))
     patch += _default_counts(pod, config)
+    patch += _device_config_settings(pod, config)
     return PodVerdict(tuple(patch), tuple(forbidden), tuple(invalid))
 
 
@@ -217,6 +221,33 @@ def _default_counts(pod: Mapping[str, Any], config: DeviceConfig) -> list[PatchO
                 ops.append(
                     PatchOp(pointer("spec", fld, i, "resources", section), {count_name: value})
                 )
+    return ops
+
+
+def _device_config_settings(pod: Mapping[str, Any], config: DeviceConfig) -> list[PatchOp]:
+    """What HAMi's webhook sets on a GPU pod from the device config: ``runtimeClassName``
+    when the pod names none, and with ``overwriteEnv`` ``NVIDIA_VISIBLE_DEVICES=none`` on
+    every container that asks for no GPU (appended: the last value of a name wins, so a
+    value from the manifest cannot reopen the node's GPUs)."""
+    ops: list[PatchOp] = []
+    spec = _dict(pod.get("spec"))
+    if config.runtime_class_name and not spec.get("runtimeClassName"):
+        ops.append(PatchOp(pointer("spec", "runtimeClassName"), config.runtime_class_name))
+    if not config.overwrite_env:
+        return ops
+    names = _tessera_names(config)
+    hidden = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}
+    for fld, i, c in _containers(pod):
+        if any(_has(c, n) for n in names):
+            continue
+        env = c.get("env")
+        visible = [e for e in env if _dict(e).get("name") == hidden["name"]] if env else []
+        if visible and visible[-1] == hidden:
+            continue  # already hidden (a reinvoked webhook adds nothing)
+        if isinstance(env, list):
+            ops.append(PatchOp(pointer("spec", fld, i, "env", "-"), hidden))
+        else:
+            ops.append(PatchOp(pointer("spec", fld, i, "env"), [hidden]))
     return ops
 
 

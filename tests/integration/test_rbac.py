@@ -538,6 +538,10 @@ def _annotate(key: str, value: str | None) -> dict[str, Any]:
     return {"metadata": {"annotations": {key: value}}}
 
 
+def _label(key: str, value: str | None) -> dict[str, Any]:
+    return {"metadata": {"labels": {key: value}}}
+
+
 # (what, object path template, patch, allowed?). {pod_here}/{pod_there}: pods on the agent's
 # node and on another one.
 AGENT_WRITES: list[tuple[str, str, dict[str, Any], bool]] = [
@@ -584,6 +588,14 @@ AGENT_WRITES: list[tuple[str, str, dict[str, Any], bool]] = [
     ("pod on own node: chosen node", "{pod_here}", _annotate(ann.VGPU_NODE, OTHER_NODE), False),
     ("pod on own node: user policy", "{pod_here}", _annotate(ann.NODE_POLICY, "spread"), False),
     ("pod on own node: a label", "{pod_here}", {"metadata": {"labels": {"x": "y"}}}, False),
+    ("pod on own node: node label", "{pod_here}", _label(ann.VGPU_NODE_LABEL, AGENT_NODE), True),
+    ("pod on own node: remove node label", "{pod_here}", _label(ann.VGPU_NODE_LABEL, None), True),
+    (
+        "pod on own node: node label naming another node",
+        "{pod_here}",
+        _label(ann.VGPU_NODE_LABEL, OTHER_NODE),
+        False,
+    ),
     ("pod on another node: bind phase", "{pod_there}", _annotate(ann.BIND_PHASE, "success"), False),
 ]
 
@@ -638,7 +650,8 @@ PLUGIN_WRITES: list[tuple[str, dict[str, Any], bool]] = [
                     ann.DEVICES_ALLOCATED: ";",
                     ann.DEVICES_TO_ALLOCATE: ";",
                     ann.MIG_ALLOCATIONS: "[]",
-                }
+                },
+                "labels": {ann.VGPU_NODE_LABEL: AGENT_NODE},
             }
         },
         True,
@@ -656,11 +669,13 @@ PLUGIN_WRITES: list[tuple[str, dict[str, Any], bool]] = [
                         ann.DEVICES_TO_ALLOCATE,
                         ann.MIG_ALLOCATIONS,
                     )
-                )
+                ),
+                "labels": {ann.VGPU_NODE_LABEL: None},
             }
         },
         True,
     ),
+    ("the node label naming another node", _label(ann.VGPU_NODE_LABEL, "elsewhere"), False),
     ("a user annotation", _annotate(ann.GPU_POLICY, "binpack"), False),
     ("a label", {"metadata": {"labels": {"x": "y"}}}, False),
     (

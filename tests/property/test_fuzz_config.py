@@ -19,7 +19,7 @@ from api.hami.config import (
     convert_known_geometries,
     load_config,
 )
-from api.hami.policy import PlacementStrategy, Policy
+from api.hami.policy import GpuPolicy, PlacementStrategy, Policy
 from tests.fuzzing import (
     MAX_MESSAGE,
     FuzzLedger,
@@ -144,7 +144,7 @@ def _check_config(c: DeviceConfig) -> None:
     assert 1 <= c.device_split_count <= 1000
     assert 0 < c.device_memory_scaling <= 100
     assert 0 <= c.default_cores <= 100 and 1 <= c.default_gpu_num <= 64
-    assert isinstance(c.default_node_policy, Policy) and isinstance(c.default_gpu_policy, Policy)
+    assert isinstance(c.default_node_policy, Policy) and isinstance(c.default_gpu_policy, GpuPolicy)
     assert isinstance(c.mig_placement_policy, PlacementStrategy)
     for entry in c.mig_profile_allowlist:
         assert entry.models and entry.profiles

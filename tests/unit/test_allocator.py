@@ -11,7 +11,7 @@ from api.errors import InvalidAnnotationError, TemporaryError
 from api.hami.catalog import find_model
 from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.devices import decode_mig_allocations
-from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS
+from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS, VGPU_NODE_LABEL
 from api.hami.register import Placement
 from api.kube.errors import ServerError
 from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator
@@ -93,6 +93,46 @@ def test_control_disabled_skips_preload_and_scaling_oversubscribes(
     assert out.envs["CUDA_OVERSUBSCRIBE"] == "true"
 
 
+@pytest.mark.parametrize(
+    ("settings", "node_level", "limits", "expected"),
+    [
+        ({}, None, {}, {}),
+        ({"gpu_core_policy": "force"}, None, {}, {"GPU_CORE_UTILIZATION_POLICY": "force"}),
+        (
+            {"gpu_core_policy": "force", "disable_core_limit": True},
+            None,
+            {},
+            {"GPU_CORE_UTILIZATION_POLICY": "disable"},
+        ),
+        ({"lib_cuda_log_level": "1"}, None, {}, {"LIBCUDA_LOG_LEVEL": "1"}),
+        ({"lib_cuda_log_level": "1"}, "4", {}, {"LIBCUDA_LOG_LEVEL": "4"}),
+        ({}, None, {"nvidia.com/priority": "1"}, {"CUDA_TASK_PRIORITY": "1"}),
+        (
+            {"resource_priority_name": "example.com/prio"},
+            None,
+            {"example.com/prio": 0, "nvidia.com/priority": 1},
+            {"CUDA_TASK_PRIORITY": "0"},
+        ),
+    ],
+)
+def test_hami_core_settings_from_the_device_config(
+    backend: SimulatedNvml,
+    settings: dict[str, Any],
+    node_level: str | None,
+    limits: dict[str, Any],
+    expected: dict[str, str],
+) -> None:
+    kube = FakeKube()
+    ctr = {"name": "c", "resources": {"limits": limits}}
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 30)]], containers=[ctr]))
+    node = NodeConfig(NODE, "hami-core", lib_cuda_log_level=node_level)  # type: ignore[arg-type]
+    cfg = DeviceConfig(nodeconfig=(node,), **settings)
+    alloc = Allocator(NODE, kube, backend, None, cfg, cache_name=lambda: "fixed")
+    [out] = alloc.allocate([[f"{G0}-0"]])
+    keys = ("GPU_CORE_UTILIZATION_POLICY", "LIBCUDA_LOG_LEVEL", "CUDA_TASK_PRIORITY")
+    assert {k: v for k, v in out.envs.items() if k in keys} == expected
+
+
 def test_containers_allocate_in_order_and_success_comes_last(backend: SimulatedNvml) -> None:
     kube = FakeKube()
     path = kube.add_pod(
@@ -119,8 +159,38 @@ def test_conflict_rereads_and_keeps_the_other_writers_change(backend: SimulatedN
     alloc, _ = allocator(kube, backend)
     alloc.allocate([[f"{G0}-0"]])
     assert kube.annotations(path)[BIND_PHASE] == "success"
-    assert kube.objects[path]["metadata"]["labels"] == {"x": "y"}
+    assert kube.objects[path]["metadata"]["labels"] == {"x": "y", VGPU_NODE_LABEL: NODE}
     assert [p[2] is not None for p in kube.patches].count(True) == 2  # 409, then success
+
+
+def test_node_label_is_added_when_missing_and_left_when_present(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    bare = kube.add_pod(make_pod("bare", devices=[[(G0, 1000, 10)]]))
+    alloc, _ = allocator(kube, backend)
+    alloc.allocate([[f"{G0}-0"]])
+    assert kube.objects[bare]["metadata"]["labels"][VGPU_NODE_LABEL] == NODE
+    labelled = make_pod("labelled", devices=[[(G1, 1000, 10)]])
+    labelled["metadata"]["labels"] = {VGPU_NODE_LABEL: NODE}
+    kube.add_pod(labelled)
+    alloc.allocate([[f"{G1}-0"]])
+    assert "labels" not in kube.patches[-1][1]["metadata"]
+
+
+def test_legacy_mig_slot_is_refused_with_what_to_do(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    legacy = f"{G0}[1-1],NVIDIA,19968,28:;"
+    path = kube.add_pod(
+        make_pod(
+            "old",
+            devices=[[(G0, 19968, 28)]],
+            extra_annotations={DEVICES_TO_ALLOCATE: legacy},
+        )
+    )
+    alloc, _ = allocator(kube, backend, mode="mig")
+    with pytest.raises(AllocationRefusedError, match=r"\[1-1\] is a MIG slot of HAMi's <= v2.9"):
+        alloc.allocate([[f"{G0}-0"]])
+    assert kube.annotations(path)[BIND_PHASE] == "failed"
+    assert gis(backend) == []
 
 
 def test_gpu_of_another_node_is_refused_and_marked_failed(backend: SimulatedNvml) -> None:

@@ -4,7 +4,7 @@ import pytest
 
 from api.errors import InvalidConfigError
 from api.hami.config import DeviceConfig, convert_known_geometries, load_config
-from api.hami.policy import PlacementStrategy, Policy
+from api.hami.policy import GpuPolicy, GpuSortKey, PlacementStrategy, Policy
 
 
 def test_empty_config_gives_defaults() -> None:
@@ -12,7 +12,7 @@ def test_empty_config_gives_defaults() -> None:
     assert cfg == DeviceConfig()
     assert cfg.device_split_count == 10
     assert cfg.default_node_policy is Policy.BINPACK
-    assert cfg.default_gpu_policy is Policy.SPREAD
+    assert cfg.default_gpu_policy == GpuPolicy((GpuSortKey.SPREAD,))
     assert cfg.mig_placement_policy is PlacementStrategy.FRAGMENTATION_AWARE
 
 
@@ -151,3 +151,118 @@ data:
       deviceSplitCount: 4
 """
     assert load_config(cm).device_split_count == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "keys", "mutex", "topology"),
+    [
+        ("spread", (GpuSortKey.SPREAD,), False, False),
+        ("binpack, numa", (GpuSortKey.BINPACK, GpuSortKey.NUMA), False, False),
+        ("topology-aware", (GpuSortKey.SPREAD,), False, True),
+        ("mutex,binpack", (GpuSortKey.BINPACK,), True, False),
+    ],
+)
+def test_default_gpu_policy_is_a_chain_as_hamis_flag(
+    value: str, keys: tuple[GpuSortKey, ...], mutex: bool, topology: bool
+) -> None:
+    cfg = load_config(f"scheduler:\n  defaultGpuPolicy: '{value}'\n")
+    assert cfg.default_gpu_policy == GpuPolicy(keys, mutex, topology)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("closest", "unknown GPU policy 'closest'"), ("' '", "is empty"), ("3", "unknown GPU")],
+)
+def test_default_gpu_policy_refuses_what_it_cannot_apply(value: str, problem: str) -> None:
+    with pytest.raises(InvalidConfigError, match=problem) as e:
+        load_config(f"scheduler:\n  defaultGpuPolicy: {value}\n")
+    assert "scheduler.defaultGpuPolicy" in str(e.value)
+
+
+HAMI_V2_10_NVIDIA = """
+nvidia:
+  resourceCountName: nvidia.com/gpu
+  resourceMemoryName: nvidia.com/gpumem
+  resourceMemoryPercentageName: nvidia.com/gpumem-percentage
+  resourceCoreName: nvidia.com/gpucores
+  resourcePriorityName: nvidia.com/priority
+  overwriteEnv: true
+  defaultMemory: 0
+  defaultCores: 0
+  defaultGPUNum: 1
+  memoryFactor: 1024
+  disableCoreLimit: false
+  gpuCorePolicy: force
+  runtimeClassName: nvidia
+  deviceSplitCount: 10
+  deviceMemoryScaling: 1
+  deviceCoreScaling: 2
+  preConfiguredDeviceMemory: 40960
+  libCudaLogLevel: 1
+  enableNumaTopology: true
+  migProfileAllowlist:
+    - models: [A100-SXM4-40GB]
+      profiles: [1g.5gb, 2g.10gb]
+  nodeconfig:
+    - name: gpu-1
+      operatingmode: mps
+      devicesplitcount: 4
+      devicecorescaling: 1.5
+      libcudaloglevel: 4
+      migstrategy: none
+      filterdevices: {uuid: [GPU-a], index: [3]}
+      enablegetpreferredallocation: true
+      preconfigureddevicememory: 1000
+      enablenumatopology: false
+"""
+
+
+def test_every_key_of_a_hami_v2_10_nvidia_section_loads() -> None:
+    cfg = load_config(HAMI_V2_10_NVIDIA)
+    assert (cfg.memory_factor, cfg.device_core_scaling) == (1024, 2.0)
+    assert (cfg.gpu_core_policy, cfg.disable_core_limit, cfg.lib_cuda_log_level) == (
+        "force",
+        False,
+        "1",
+    )
+    assert (cfg.runtime_class_name, cfg.overwrite_env) == ("nvidia", True)
+    node = cfg.node("gpu-1")
+    assert (node.operating_mode, node.device_split_count, node.device_core_scaling) == (
+        "mps",
+        4,
+        1.5,
+    )
+    assert node.lib_cuda_log_level == "4"
+    assert not node.registers("GPU-a", 0) and not node.registers("GPU-b", 3)
+    assert node.registers("GPU-b", 0)
+
+
+def test_memory_factor_zero_reads_as_one_as_in_hami() -> None:
+    assert load_config("nvidia:\n  memoryFactor: 0\n").memory_factor == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "problem"),
+    [
+        ("nvidia:\n  gpuCorePolicy: off\n", "nvidia.gpuCorePolicy", "default, force, disable"),
+        ("nvidia:\n  libCudaLogLevel: 2\n", "nvidia.libCudaLogLevel", "0, 1, 3, 4"),
+        ("nvidia:\n  overwriteEnv: 'yes'\n", "nvidia.overwriteEnv", "true or false"),
+        ("nvidia:\n  runtimeClassName: Bad_Name\n", "nvidia.runtimeClassName", "RuntimeClass"),
+        ("nvidia:\n  memoryFactor: -1\n", "nvidia.memoryFactor", "between 0"),
+        ("nvidia:\n  deviceCoreScaling: 0\n", "nvidia.deviceCoreScaling", "(0, 100]"),
+        (
+            "nvidia:\n  nodeconfig:\n    - name: n\n      filterdevices: {index: [x]}\n",
+            "nvidia.nodeconfig[0].filterdevices.index",
+            "GPU indexes",
+        ),
+        (
+            "nvidia:\n  nodeconfig:\n    - name: n\n      filterdevices: {name: [a]}\n",
+            "nvidia.nodeconfig[0].filterdevices.name",
+            "uuid, index",
+        ),
+    ],
+)
+def test_hami_settings_with_bad_values_name_the_field(text: str, path: str, problem: str) -> None:
+    with pytest.raises(InvalidConfigError) as e:
+        load_config(text)
+    assert e.value.path == path and problem in e.value.problem

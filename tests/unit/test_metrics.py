@@ -291,6 +291,27 @@ def test_hami_core_pods_give_hamis_per_gpu_gauges(cache: ClusterCache) -> None:
     assert "hami_node_gpu_mig_instance_info" not in text
 
 
+def test_gpus_that_take_no_new_work_are_exported_with_the_reason(cache: ClusterCache) -> None:
+    node = node_obj("node1", *(gpu(f"GPU-1{i}", index=i) for i in range(3)))
+    node["metadata"]["annotations"][ann.DEVICE_CORDON] = "GPU-11"
+    cache.apply_node(node)
+    cache.apply_pod(core_pod("old", "node1", [("GPU-10[1-1]", 19968, 28)]))
+
+    def unavailable() -> set[tuple[str, str]]:
+        return {
+            (dict(labels)["device_uuid"], dict(labels)["reason"])
+            for name, labels, value in samples(scrape(cache))
+            if name == "tessera_gpu_unavailable" and value == 1.0
+        }
+
+    assert unavailable() == {("GPU-10", "legacy_mig"), ("GPU-11", "cordoned")}
+    cache.apply_pod(core_pod("old", "node1", [("GPU-10[1-1]", 19968, 28)], phase="Succeeded"))
+    node["metadata"]["annotations"][ann.DEVICE_CORDON] = ""
+    cache.apply_node(node)
+    assert unavailable() == set()
+    assert "# TYPE tessera_gpu_unavailable gauge" in scrape(cache)
+
+
 def test_gauges_follow_pods_and_nodes_as_they_change(cache: ClusterCache) -> None:
     cache.apply_node(node_obj("node1", gpu("GPU-10")))
     cache.apply_pod(core_pod("a", "node1", [("GPU-10", 2000, 30)]))

@@ -533,6 +533,25 @@ def test_restart_keeps_gpus_the_caller_reports_busy(rig: Rig) -> None:
     assert rig.all_gis() == [(1, 0, 8)]
 
 
+@pytest.mark.parametrize(("phase", "kept"), [("Running", True), ("Succeeded", False)])
+def test_restart_keeps_gpus_live_pods_hold_through_hami_legacy_mig_slots(
+    rig: Rig, phase: str, kept: bool
+) -> None:
+    # Stands for the instances HAMi <= v2.9 laid out (Tessera never made them).
+    rig.manager.ensure("hami/layout", [rig.alloc(1, "2g.20gb", 0)], EMPTY)
+    rig = rig.restart()
+    old = make_pod("old").on(NODE, phase).build()
+    old["metadata"]["annotations"]["hami.io/vgpu-devices-allocated"] = (
+        f"{rig.uuid(1)}[1-1],NVIDIA,19968,28:;"
+    )
+    read = desired_from_pods([old], node_name=NODE)
+    assert read.desired is not None, read.reason
+    report = rig.manager.adopt_on_start(read.desired)
+    assert (1 in report.kept_gpus) is kept
+    assert (rig.all_gis() == [(1, 0, 2)]) is kept
+    assert rig.manager.instances() == {}  # held, not adopted: Tessera will not destroy it
+
+
 def test_idle_cleaning_that_hits_in_use_reports_it_and_keeps_going(rig: Rig) -> None:
     rig.manager.ensure("ns/p", [rig.alloc(0, "2g.10gb", 0)], None)
     rig.manager.ensure("ns/q", [rig.alloc(1, "2g.20gb", 0)], None)

@@ -14,6 +14,7 @@ from api.hami.devices import (
     decode_mig_allocations,
     encode_mig_allocations,
 )
+from api.hami.keys import DEVICES_ALLOCATED
 from api.hami.register import Placement
 from node_agent.mig_manager import Owner
 from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
@@ -161,3 +162,26 @@ def test_with_runtime_replaces_a_stale_identity() -> None:
 def test_with_runtime_refuses_a_count_mismatch() -> None:
     with pytest.raises(InvalidAnnotationError, match="2 runtime identit"):
         with_runtime(encode_mig_allocations([A]), 0, [ID0, ID1])
+
+
+def test_gpus_held_through_hami_legacy_mig_slots_are_read() -> None:
+    def holding(name: str, value: str, node: str = NODE, phase: str = "Running") -> Any:
+        return make_pod(name).on(node, phase).annotate(DEVICES_ALLOCATED, value).build()
+
+    pods = [
+        holding("old", "GPU-a[1-1],NVIDIA,19968,28:GPU-b,NVIDIA,1000,10:;"),
+        holding("done", "GPU-c[1-2],NVIDIA,19968,28:;", phase="Succeeded"),
+        holding("elsewhere", "GPU-d[1-1],NVIDIA,19968,28:;", node="node-b"),
+        holding("plain", "GPU-e,NVIDIA,1000,10:;"),
+        holding("malformed-plain", "not a device list"),
+    ]
+    read = desired_from_pods(pods, node_name=NODE)
+    assert read.desired is not None, read.reason
+    assert read.desired.held_gpus == {"GPU-a"}
+    assert read.desired.with_pod("default/x", []).held_gpus == {"GPU-a"}
+
+
+def test_malformed_legacy_device_list_makes_the_set_unreadable() -> None:
+    bad = make_pod("bad").on(NODE).annotate(DEVICES_ALLOCATED, "GPU-a[1-1],NVIDIA,x,28:;").build()
+    read = desired_from_pods([bad], node_name=NODE)
+    assert read.desired is None and "default/bad" in read.reason

@@ -9,7 +9,7 @@ import pytest
 
 from api.errors import InvalidConfigError
 from api.hami.catalog import MODELS, simulated_devices
-from api.hami.config import DeviceConfig
+from api.hami.config import DeviceConfig, load_config
 from api.hami.keys import GpuMode
 from node_agent.nvml import (
     BACKEND_KINDS,
@@ -20,7 +20,7 @@ from node_agent.nvml import (
     backend_from_env,
     make_backend,
 )
-from node_agent.nvml.discovery import discover
+from node_agent.nvml.discovery import discover, unregistered
 
 A100 = "NVIDIA A100-PCIE-40GB"
 MIG_MODELS = [m.name for m in MODELS if m.mig_capable]
@@ -64,6 +64,27 @@ def test_memory_scaling_applies_to_hami_core_only() -> None:
     (mig,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 4, 1.5)
     assert (core.devmem, core.count, core.mig_profiles) == (61440, 4, ())
     assert mig.devmem == 40960
+    sim.shutdown()
+
+
+def test_core_scaling_applies_to_hami_core_only() -> None:
+    sim = node(A100, 1)
+    (core,) = discover(sim, DeviceConfig().allowed_profiles, "hami-core", 4, 1.0, core_scaling=2)
+    (mig,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 4, 1.0, core_scaling=2)
+    assert (core.devcore, mig.devcore) == (200, 100)
+    sim.shutdown()
+
+
+def test_filtered_devices_are_not_registered_and_not_the_agents() -> None:
+    sim = node(A100, 3)
+    cfg = load_config(
+        "nvidia:\n  nodeconfig:\n    - name: n\n      filterdevices:\n"
+        f"        uuid: [{sim.device(0).uuid}]\n        index: [2]\n"
+    )
+    keep = cfg.node("n").registers
+    devs = discover(sim, cfg.allowed_profiles, "hami-core", 10, 1.0, registers=keep)
+    assert [d.index for d in devs] == [1]
+    assert unregistered(sim, keep) == {0, 2}
     sim.shutdown()
 
 

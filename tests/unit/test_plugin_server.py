@@ -26,7 +26,7 @@ from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
-from scheduler_plugins.server.events import REASON, EventRecorder
+from scheduler_plugins.server.events import LEGACY_MIG_REASON, REASON, EventRecorder, PodEventTarget
 from scheduler_plugins.server.servicer import WAIT_ELSEWHERE, SchedulerServicer
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
@@ -258,6 +258,16 @@ def seed_cluster(cache: ClusterCache) -> None:
 # ----- PreFilter ------------------------------------------------------------------------------
 
 
+def _undo(written: Any) -> dict[str, Any]:
+    """The patch that takes bind annotations (and the label written with them) back."""
+    return {
+        "metadata": {
+            "annotations": dict.fromkeys(written),
+            "labels": {ann.VGPU_NODE_LABEL: None},
+        }
+    }
+
+
 def _scores(r: pb.PreFilterResponse) -> dict[str, int]:
     return dict(zip(r.feasible_nodes, r.scores, strict=True))
 
@@ -323,6 +333,35 @@ def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Har
         "uid": "uid-q",
     }
     assert event["message"] == r.message
+
+
+def test_a_pod_holding_hami_legacy_mig_devices_gets_one_warning_with_what_to_do(
+    h: Harness,
+) -> None:
+    h.cache.on_legacy_mig(lambda pod, alloc: h.events.legacy_mig(PodEventTarget.of(pod), alloc))
+    h.cache.apply_node(node_obj("n1", gpu("GPU-a"), gpu("GPU-b", index=1)))
+    old = (
+        make_pod("old")
+        .on("n1")
+        .annotate(ann.DEVICES_ALLOCATED, "GPU-a[1-1],NVIDIA,19968,28:GPU-b,NVIDIA,1000,10:;")
+        .build()
+    )
+    old["metadata"]["uid"] = "uid-old"
+    h.cache.apply_pod(old)
+    old["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    h.cache.apply_pod(old)  # nothing the allocation is read from changed: no second event
+    h.cache.apply_pod(
+        make_pod("new").on("n1").annotate(ann.DEVICES_ALLOCATED, "GPU-b,NVIDIA,1,1:;").build()
+    )
+    h.events.flush()
+    [(path, event)] = h.kube.posts
+    assert path == "/api/v1/namespaces/default/events"
+    assert event["reason"] == LEGACY_MIG_REASON and event["type"] == "Warning"
+    assert event["involvedObject"]["uid"] == "uid-old"
+    assert "GPU-a[1-1]" in event["message"] and "GPU GPU-a takes no new work" in event["message"]
+    assert "Delete the pod" in event["message"]
+    r = h.prefilter(make_pod("p").gpu(1, mem=1000).build())
+    assert [n for n in r.feasible_nodes] == ["n1"]
 
 
 def test_explain_decides_again_once_the_state_moved_on_and_says_nothing_when_all_fit(
@@ -423,10 +462,17 @@ def test_mig_reserve_then_prebind_writes_exact_annotations_in_one_patch(h: Harne
     (a, b) = sorted((m["placement"]["start"], m["placement"]["size"]) for m in mig)
     assert a[1] == b[1] == 2 and a[0] + 2 <= b[0]
     assert {k: v for k, v in r.annotations.items() if k != ann.MIG_ALLOCATIONS} == MIG_EXPECTED
+    assert dict(r.labels) == {ann.VGPU_NODE_LABEL: "n"}  # with the annotations, as HAMi writes
     assert h.kube.patches == [
         (
             "/api/v1/namespaces/default/pods/p",
-            {"metadata": {"annotations": dict(r.annotations), "uid": "uid-p"}},
+            {
+                "metadata": {
+                    "annotations": dict(r.annotations),
+                    "labels": {ann.VGPU_NODE_LABEL: "n"},
+                    "uid": "uid-p",
+                }
+            },
         )
     ]
 
@@ -470,7 +516,7 @@ def test_unreserve_after_prebind_takes_the_annotations_back(h: Harness) -> None:
     h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))
     path, undo = h.kube.patches[-1]
     assert path == "/api/v1/namespaces/default/pods/p"
-    assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
+    assert undo == _undo(written)
 
 
 def test_prebind_hand_over_writes_nothing_and_answers_the_same_annotations(h: Harness) -> None:
@@ -644,7 +690,7 @@ def test_a_pod_whose_bind_did_not_go_through_is_reserved_again_cleanly(h: Harnes
     h.kube.get_fails_with = None  # back: the pod shows unbound
     h.schedule(pod, "n")
     _, undo = h.kube.patches[-1]
-    assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
+    assert undo == _undo(written)
     assert h.prebind("p", "n").annotations[ann.VGPU_NODE] == "n"
 
 
@@ -671,13 +717,9 @@ def test_prefilter_takes_back_annotations_left_over_by_an_earlier_server(h: Harn
     assert r.code == OK and list(r.feasible_nodes) == ["n"]  # its own leftover no longer counts
     ((path, undo),) = h.kube.patches
     assert path == "/api/v1/namespaces/default/pods/p"
-    assert undo == {
-        "metadata": {
-            "annotations": dict.fromkeys(
-                k for k in pod["metadata"]["annotations"] if k.startswith(ann.INTERNAL_PREFIXES)
-            )
-        }
-    }
+    assert undo == _undo(
+        k for k in pod["metadata"]["annotations"] if k.startswith(ann.INTERNAL_PREFIXES)
+    )
     assert h.cache.state.allocation("default/p") is None
 
 
@@ -720,7 +762,7 @@ def test_an_unsure_pod_that_no_longer_fits_is_still_cleaned_up(h: Harness) -> No
     r = h.prefilter(make_pod("p").gpu(1, mem=1000).build())
     assert r.code == pb.PreFilterResponse.UNSCHEDULABLE
     _, undo = h.kube.patches[-1]
-    assert undo == {"metadata": {"annotations": dict.fromkeys(written)}}
+    assert undo == _undo(written)
     assert h.cache.state.allocation("default/p") is None
 
 

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from api.errors import InvalidRequestError
 from api.hami.config import DeviceConfig
-from api.hami.policy import GpuPolicy, Policy
+from api.hami.policy import GpuPolicy, GpuSortKey, Policy
 from api.kube.objects import parse_quantity
 from scheduler_plugins.core.requests import parse_allocation, parse_request
 from tests.builders import make_pod
@@ -20,6 +22,9 @@ CFG = DeviceConfig()
         ({"nvidia.com/gpu": 1, "nvidia.com/gpumem-percentage": 25}, (1, 0, 25, 0)),
         ({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30"}, (1, 0, 100, 30)),
         ({"nvidia.com/gpumem": 1024}, (1, 1024, 0, 0)),  # count defaults to 1
+        # 0 is "not asked", as HAMi reads it: the whole card
+        ({"nvidia.com/gpu": 1, "nvidia.com/gpumem": 0}, (1, 0, 100, 0)),
+        ({"nvidia.com/gpu": 1, "nvidia.com/gpumem-percentage": 0}, (1, 0, 100, 0)),
     ],
 )
 def test_container_requests_and_defaults(
@@ -34,6 +39,17 @@ def test_default_memory_from_config() -> None:
     cfg = DeviceConfig(default_memory=2048)
     (c,) = parse_request(make_pod("p").gpu(1).build(), cfg).containers
     assert (c.mem_mib, c.mem_percent) == (2048, 0)
+
+
+def test_memory_factor_scales_gpumem_and_bounds_it() -> None:
+    cfg = DeviceConfig(memory_factor=1024)
+    (c,) = parse_request(make_pod("p").gpu(1, mem=12).build(), cfg).containers
+    assert c.mem_mib == 12 * 1024
+    with pytest.raises(InvalidRequestError, match="between 0 and 2097151"):
+        parse_request(make_pod("p").gpu(1, mem=2097152).build(), cfg)
+    # defaultMemory is in MiB already
+    (d,) = parse_request(make_pod("p").gpu(1).build(), replace(cfg, default_memory=500)).containers
+    assert d.mem_mib == 500
 
 
 def test_init_containers_come_first_and_empty_ones_count() -> None:
@@ -56,7 +72,7 @@ def test_annotations_mode_policies_and_selectors() -> None:
     )
     req = parse_request(pod, CFG)
     assert req.modes == frozenset({"mig"})
-    assert (req.node_policy, req.gpu_policy) == (Policy.SPREAD, GpuPolicy.of(Policy.BINPACK))
+    assert (req.node_policy, req.gpu_policy) == (Policy.SPREAD, GpuPolicy((GpuSortKey.BINPACK,)))
     assert req.use_types == ("A100", "H100")
     assert req.nouse_uuids == ("GPU-1",)
 

@@ -13,6 +13,7 @@ from api.hami.config import DeviceConfig
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.requests import PodRequest, parse_request
 from scheduler_plugins.core.reservations import (
+    Handed,
     NoDecision,
     Reservations,
     ScheduleAgain,
@@ -61,7 +62,7 @@ def _request(name: str) -> PodRequest:
     return parse_request(pod, DeviceConfig())
 
 
-def _offer_and_reserve(lifecycle: Reservations, name: str) -> dict[str, str] | None:
+def _offer_and_reserve(lifecycle: Reservations, name: str) -> Handed | None:
     req = _request(name)
     offer = lifecycle.offer(req, {}, {}, limit=0)
     assert offer.nodes == ["n"]
@@ -72,7 +73,9 @@ def test_reserve_hands_the_bind_annotations_over_when_nothing_blocks() -> None:
     lifecycle, cache, _ = _lifecycle()
     handed = _offer_and_reserve(lifecycle, "p")
     assert handed is not None
-    assert handed[ann.VGPU_NODE] == "n" and handed[ann.BIND_TIME] == str(BIND_TIME)
+    assert handed.annotations[ann.VGPU_NODE] == "n"
+    assert handed.annotations[ann.BIND_TIME] == str(BIND_TIME)
+    assert handed.labels == {ann.VGPU_NODE_LABEL: "n"}  # as HAMi labels its pods
     assert cache.state.is_assumed("default/p")
     assert lifecycle.held == 1
 

@@ -211,6 +211,34 @@ CASES = [
         code=400,
         message=(ann.NODE_POLICY,),
     ),
+    Case(
+        "unknown name in a GPU policy chain",
+        pod(**{GPU: 1}).annotate(ann.GPU_POLICY, "binpack,closest").build(),
+        code=400,
+        message=(ann.GPU_POLICY, "'closest'", "binpack, spread, numa, mutex, topology-aware"),
+    ),
+    Case(
+        "GPU policy chain with known names",
+        pod(**{GPU: 1}).annotate(ann.GPU_POLICY, "topology-aware,spread").build(),
+        (SCHED,),
+    ),
+    Case(
+        "scoring weights not slot=N,core=N,memory=N",
+        pod(**{GPU: 1}).annotate(ann.SCORING_WEIGHTS, '{"memory":2}').build(),
+        code=400,
+        message=(ann.SCORING_WEIGHTS, "slot=N,core=N,memory=N"),
+    ),
+    Case(
+        "numa-bind neither true nor false",
+        pod(**{GPU: 1}).annotate(ann.NUMA_BIND, "maybe").build(),
+        code=400,
+        message=(ann.NUMA_BIND, "'maybe'"),
+    ),
+    Case(  # not refused: the scheduler keeps it Pending and says why (MPS is not offered)
+        "MPS only",
+        pod(**{GPU: 1}).annotate(ann.VGPU_MODE, "mps").build(),
+        (SCHED,),
+    ),
     # --- impossible on this cluster (400)
     Case(
         "more devices than any node (the MIG node holds 7)",
@@ -291,6 +319,27 @@ def test_patched_pod_asks_exactly_the_default_count_and_is_stable() -> None:
     counts = [c.count for c in parse_request(patched, DeviceConfig()).containers]
     assert counts == [1, 2]
     assert review_pod(patched, user="u", facts=FACTS, settings=SETTINGS).patch == ()
+
+
+def test_device_config_sets_runtime_class_and_hides_gpus_from_containers_without() -> None:
+    settings = Settings(config=DeviceConfig(runtime_class_name="nvidia", overwrite_env=True))
+    obj = (
+        make_pod("p").container("gpu", **{GPU: 1}).container("sidecar").container("listed").build()
+    )
+    obj["spec"]["containers"][2]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    patched = _patched(obj, settings)
+    assert patched["spec"]["runtimeClassName"] == "nvidia"
+    gpu, sidecar, listed = patched["spec"]["containers"]
+    assert "env" not in gpu
+    assert sidecar["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    assert listed["env"][-1] == {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}
+    assert review_pod(patched, user="u", facts=FACTS, settings=settings).patch == ()
+    # A pod's own runtime class stays; a pod asking no GPU is left alone.
+    own = make_pod("q").container("gpu", **{GPU: 1}).build()
+    own["spec"]["runtimeClassName"] = "kata"
+    assert _patched(own, settings)["spec"]["runtimeClassName"] == "kata"
+    plain = make_pod("r").container("web").build()
+    assert review_pod(plain, user="u", facts=FACTS, settings=settings).patch == ()
 
 
 def test_config_names_resources_scheduler_and_default_count() -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61pi/plugin/v1/plugin.proto\x12\x11tessera.plugin.v1\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\x9a\x01\n\x10PreFilterRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x10\n\x08pod_json\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61ndidate_nodes\x18\x04 \x01(\r\"\x9e\x02\n\x11PreFilterResponse\x12\x37\n\x04\x63ode\x18\x01 \x01(\x0e\x32).tessera.plugin.v1.PreFilterResponse.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x65\x61sible_nodes\x18\x03 \x03(\t\x12\x0e\n\x06scores\x18\x04 \x03(\x03\x12\x1a\n\x12infeasible_message\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x06 \x01(\x04\x12\x16\n\x0e\x66\x65\x61sible_total\x18\x07 \x01(\r\"N\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x08\n\x04SKIP\x10\x02\x12\x11\n\rUNSCHEDULABLE\x10\x03\x12\x0b\n\x07INVALID\x10\x04\"\xa3\x01\n\x0eReserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x04 \x01(\x04\x12\x11\n\thand_over\x18\x05 \x01(\x08\"\x8f\x01\n\x0fReserveResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.ReserveResponse.AnnotationsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x10UnreserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\"\x13\n\x11UnreserveResponse\"\x8e\x01\n\x0ePreBindRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\thand_over\x18\x04 \x01(\x08\"\x8f\x01\n\x0fPreBindResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.PreBindResponse.AnnotationsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x0e\x45xplainRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\"\"\n\x0f\x45xplainResponse\x12\x0f\n\x07message\x18\x01 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x32\xb1\x03\n\tScheduler\x12V\n\tPreFilter\x12#.tessera.plugin.v1.PreFilterRequest\x1a$.tessera.plugin.v1.PreFilterResponse\x12P\n\x07Reserve\x12!.tessera.plugin.v1.ReserveRequest\x1a\".tessera.plugin.v1.ReserveResponse\x12V\n\tUnreserve\x12#.tessera.plugin.v1.UnreserveRequest\x1a$.tessera.plugin.v1.UnreserveResponse\x12P\n\x07PreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponse\x12P\n\x07\x45xplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61pi/plugin/v1/plugin.proto\x12\x11tessera.plugin.v1\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\x9a\x01\n\x10PreFilterRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x10\n\x08pod_json\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61ndidate_nodes\x18\x04 \x01(\r\"\x9e\x02\n\x11PreFilterResponse\x12\x37\n\x04\x63ode\x18\x01 \x01(\x0e\x32).tessera.plugin.v1.PreFilterResponse.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x65\x61sible_nodes\x18\x03 \x03(\t\x12\x0e\n\x06scores\x18\x04 \x03(\x03\x12\x1a\n\x12infeasible_message\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x06 \x01(\x04\x12\x16\n\x0e\x66\x65\x61sible_total\x18\x07 \x01(\r\"N\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x08\n\x04SKIP\x10\x02\x12\x11\n\rUNSCHEDULABLE\x10\x03\x12\x0b\n\x07INVALID\x10\x04\"\xa3\x01\n\x0eReserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x04 \x01(\x04\x12\x11\n\thand_over\x18\x05 \x01(\x08\"\xfe\x01\n\x0fReserveResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.ReserveResponse.AnnotationsEntry\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..tessera.plugin.v1.ReserveResponse.LabelsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x10UnreserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\"\x13\n\x11UnreserveResponse\"\x8e\x01\n\x0ePreBindRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\thand_over\x18\x04 \x01(\x08\"\xfe\x01\n\x0fPreBindResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.PreBindResponse.AnnotationsEntry\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..tessera.plugin.v1.PreBindResponse.LabelsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x0e\x45xplainRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\"\"\n\x0f\x45xplainResponse\x12\x0f\n\x07message\x18\x01 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x32\xb1\x03\n\tScheduler\x12V\n\tPreFilter\x12#.tessera.plugin.v1.PreFilterRequest\x1a$.tessera.plugin.v1.PreFilterResponse\x12P\n\x07Reserve\x12!.tessera.plugin.v1.ReserveRequest\x1a\".tessera.plugin.v1.ReserveResponse\x12V\n\tUnreserve\x12#.tessera.plugin.v1.UnreserveRequest\x1a$.tessera.plugin.v1.UnreserveResponse\x12P\n\x07PreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponse\x12P\n\x07\x45xplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z(tessera/sidecar-go/pkg/pluginv1;pluginv1'
   _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._loaded_options = None
   _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_options = b'8\001'
+  _globals['_RESERVERESPONSE_LABELSENTRY']._loaded_options = None
+  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._loaded_options = None
   _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_options = b'8\001'
-  _globals['_PROTOCOLVERSION']._serialized_start=1471
-  _globals['_PROTOCOLVERSION']._serialized_end=1546
+  _globals['_PREBINDRESPONSE_LABELSENTRY']._loaded_options = None
+  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_PROTOCOLVERSION']._serialized_start=1693
+  _globals['_PROTOCOLVERSION']._serialized_end=1768
   _globals['_PODREF']._serialized_start=49
   _globals['_PODREF']._serialized_end=103
   _globals['_PREFILTERREQUEST']._serialized_start=106
@@ -49,23 +53,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREQUEST']._serialized_start=552
   _globals['_RESERVEREQUEST']._serialized_end=715
   _globals['_RESERVERESPONSE']._serialized_start=718
-  _globals['_RESERVERESPONSE']._serialized_end=861
-  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_start=811
-  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_end=861
-  _globals['_UNRESERVEREQUEST']._serialized_start=863
-  _globals['_UNRESERVEREQUEST']._serialized_end=988
-  _globals['_UNRESERVERESPONSE']._serialized_start=990
-  _globals['_UNRESERVERESPONSE']._serialized_end=1009
-  _globals['_PREBINDREQUEST']._serialized_start=1012
-  _globals['_PREBINDREQUEST']._serialized_end=1154
-  _globals['_PREBINDRESPONSE']._serialized_start=1157
-  _globals['_PREBINDRESPONSE']._serialized_end=1300
-  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_start=811
-  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_end=861
-  _globals['_EXPLAINREQUEST']._serialized_start=1303
-  _globals['_EXPLAINREQUEST']._serialized_end=1433
-  _globals['_EXPLAINRESPONSE']._serialized_start=1435
-  _globals['_EXPLAINRESPONSE']._serialized_end=1469
-  _globals['_SCHEDULER']._serialized_start=1549
-  _globals['_SCHEDULER']._serialized_end=1982
+  _globals['_RESERVERESPONSE']._serialized_end=972
+  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_start=875
+  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_end=925
+  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_start=927
+  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_end=972
+  _globals['_UNRESERVEREQUEST']._serialized_start=974
+  _globals['_UNRESERVEREQUEST']._serialized_end=1099
+  _globals['_UNRESERVERESPONSE']._serialized_start=1101
+  _globals['_UNRESERVERESPONSE']._serialized_end=1120
+  _globals['_PREBINDREQUEST']._serialized_start=1123
+  _globals['_PREBINDREQUEST']._serialized_end=1265
+  _globals['_PREBINDRESPONSE']._serialized_start=1268
+  _globals['_PREBINDRESPONSE']._serialized_end=1522
+  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_start=875
+  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_end=925
+  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_start=927
+  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_end=972
+  _globals['_EXPLAINREQUEST']._serialized_start=1525
+  _globals['_EXPLAINREQUEST']._serialized_end=1655
+  _globals['_EXPLAINRESPONSE']._serialized_start=1657
+  _globals['_EXPLAINRESPONSE']._serialized_end=1691
+  _globals['_SCHEDULER']._serialized_start=1771
+  _globals['_SCHEDULER']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

@@ -81,7 +81,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., decision_id: _Optional[int] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("annotations",)
+    __slots__ = ("annotations", "labels")
     class AnnotationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,9 +89,18 @@ class ReserveResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     annotations: _containers.ScalarMap[str, str]
-    def __init__(self, annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, annotations: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UnreserveRequest(_message.Message):
     __slots__ = ("version", "pod", "node")
@@ -120,7 +129,7 @@ class PreBindRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class PreBindResponse(_message.Message):
-    __slots__ = ("annotations",)
+    __slots__ = ("annotations", "labels")
     class AnnotationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -128,9 +137,18 @@ class PreBindResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     annotations: _containers.ScalarMap[str, str]
-    def __init__(self, annotations: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, annotations: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("version", "pod", "decision_id")

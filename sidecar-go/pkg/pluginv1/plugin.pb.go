@@ -455,7 +455,9 @@ type ReserveResponse struct {
 	// reservation's annotations when the node was claimed at once (the shim's Binding carries
 	// them and PreBind is not called); empty when the pod must wait at PreBind (an earlier pod
 	// the node agent could not tell apart is allocating on the node) or without hand_over.
-	Annotations   map[string]string `protobuf:"bytes,1,rep,name=annotations,proto3" json:"annotations,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Annotations map[string]string `protobuf:"bytes,1,rep,name=annotations,proto3" json:"annotations,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// The pod labels to set with them (hami.io/vgpu-node, which HAMi's monitor selects pods by).
+	Labels        map[string]string `protobuf:"bytes,2,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -493,6 +495,13 @@ func (*ReserveResponse) Descriptor() ([]byte, []int) {
 func (x *ReserveResponse) GetAnnotations() map[string]string {
 	if x != nil {
 		return x.Annotations
+	}
+	return nil
+}
+
+func (x *ReserveResponse) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
 	}
 	return nil
 }
@@ -669,7 +678,10 @@ type PreBindResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The reservation's annotations: written by the server, or (hand_over) for the shim's
 	// Binding to carry.
-	Annotations   map[string]string `protobuf:"bytes,1,rep,name=annotations,proto3" json:"annotations,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Annotations map[string]string `protobuf:"bytes,1,rep,name=annotations,proto3" json:"annotations,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// The pod labels to set with them (written with them by the server, or carried by the
+	// Binding, whose labels the API server copies to the pod from Kubernetes 1.35 on).
+	Labels        map[string]string `protobuf:"bytes,2,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -707,6 +719,13 @@ func (*PreBindResponse) Descriptor() ([]byte, []int) {
 func (x *PreBindResponse) GetAnnotations() map[string]string {
 	if x != nil {
 		return x.Annotations
+	}
+	return nil
+}
+
+func (x *PreBindResponse) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
 	}
 	return nil
 }
@@ -852,10 +871,14 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x04node\x18\x03 \x01(\tR\x04node\x12\x1f\n" +
 	"\vdecision_id\x18\x04 \x01(\x04R\n" +
 	"decisionId\x12\x1b\n" +
-	"\thand_over\x18\x05 \x01(\bR\bhandOver\"\xa8\x01\n" +
+	"\thand_over\x18\x05 \x01(\bR\bhandOver\"\xab\x02\n" +
 	"\x0fReserveResponse\x12U\n" +
-	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.ReserveResponse.AnnotationsEntryR\vannotations\x1a>\n" +
+	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.ReserveResponse.AnnotationsEntryR\vannotations\x12F\n" +
+	"\x06labels\x18\x02 \x03(\v2..tessera.plugin.v1.ReserveResponse.LabelsEntryR\x06labels\x1a>\n" +
 	"\x10AnnotationsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x91\x01\n" +
 	"\x10UnreserveRequest\x12<\n" +
@@ -867,10 +890,14 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
 	"\x04node\x18\x03 \x01(\tR\x04node\x12\x1b\n" +
-	"\thand_over\x18\x04 \x01(\bR\bhandOver\"\xa8\x01\n" +
+	"\thand_over\x18\x04 \x01(\bR\bhandOver\"\xab\x02\n" +
 	"\x0fPreBindResponse\x12U\n" +
-	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.PreBindResponse.AnnotationsEntryR\vannotations\x1a>\n" +
+	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.PreBindResponse.AnnotationsEntryR\vannotations\x12F\n" +
+	"\x06labels\x18\x02 \x03(\v2..tessera.plugin.v1.PreBindResponse.LabelsEntryR\x06labels\x1a>\n" +
 	"\x10AnnotationsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9c\x01\n" +
 	"\x0eExplainRequest\x12<\n" +
@@ -903,7 +930,7 @@ func file_api_plugin_v1_plugin_proto_rawDescGZIP() []byte {
 }
 
 var file_api_plugin_v1_plugin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_api_plugin_v1_plugin_proto_goTypes = []any{
 	(ProtocolVersion)(0),        // 0: tessera.plugin.v1.ProtocolVersion
 	(PreFilterResponse_Code)(0), // 1: tessera.plugin.v1.PreFilterResponse.Code
@@ -919,7 +946,9 @@ var file_api_plugin_v1_plugin_proto_goTypes = []any{
 	(*ExplainRequest)(nil),      // 11: tessera.plugin.v1.ExplainRequest
 	(*ExplainResponse)(nil),     // 12: tessera.plugin.v1.ExplainResponse
 	nil,                         // 13: tessera.plugin.v1.ReserveResponse.AnnotationsEntry
-	nil,                         // 14: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	nil,                         // 14: tessera.plugin.v1.ReserveResponse.LabelsEntry
+	nil,                         // 15: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	nil,                         // 16: tessera.plugin.v1.PreBindResponse.LabelsEntry
 }
 var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	0,  // 0: tessera.plugin.v1.PreFilterRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
@@ -928,28 +957,30 @@ var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	0,  // 3: tessera.plugin.v1.ReserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 4: tessera.plugin.v1.ReserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
 	13, // 5: tessera.plugin.v1.ReserveResponse.annotations:type_name -> tessera.plugin.v1.ReserveResponse.AnnotationsEntry
-	0,  // 6: tessera.plugin.v1.UnreserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 7: tessera.plugin.v1.UnreserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	0,  // 8: tessera.plugin.v1.PreBindRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 9: tessera.plugin.v1.PreBindRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	14, // 10: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
-	0,  // 11: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 12: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	3,  // 13: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
-	5,  // 14: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
-	7,  // 15: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
-	9,  // 16: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
-	11, // 17: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
-	4,  // 18: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
-	6,  // 19: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
-	8,  // 20: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
-	10, // 21: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
-	12, // 22: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
-	18, // [18:23] is the sub-list for method output_type
-	13, // [13:18] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	14, // 6: tessera.plugin.v1.ReserveResponse.labels:type_name -> tessera.plugin.v1.ReserveResponse.LabelsEntry
+	0,  // 7: tessera.plugin.v1.UnreserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 8: tessera.plugin.v1.UnreserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	0,  // 9: tessera.plugin.v1.PreBindRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 10: tessera.plugin.v1.PreBindRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	15, // 11: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	16, // 12: tessera.plugin.v1.PreBindResponse.labels:type_name -> tessera.plugin.v1.PreBindResponse.LabelsEntry
+	0,  // 13: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 14: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	3,  // 15: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
+	5,  // 16: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
+	7,  // 17: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
+	9,  // 18: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
+	11, // 19: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
+	4,  // 20: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
+	6,  // 21: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
+	8,  // 22: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
+	10, // 23: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
+	12, // 24: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
+	20, // [20:25] is the sub-list for method output_type
+	15, // [15:20] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_api_plugin_v1_plugin_proto_init() }
@@ -963,7 +994,7 @@ func file_api_plugin_v1_plugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_api_plugin_v1_plugin_proto_rawDesc), len(file_api_plugin_v1_plugin_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   13,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -13,8 +13,8 @@ import (
 
 const bindKey fwk.StateKey = Name + "/bind"
 
-// handedOver holds the annotations PreBind got from the server for Bind to write.
-type handedOver struct{ annotations map[string]string }
+// handedOver holds the annotations (and pod labels) the server handed over for Bind to write.
+type handedOver struct{ annotations, labels map[string]string }
 
 // Clone implements fwk.StateData; the map is never mutated after PreBind.
 func (h *handedOver) Clone() fwk.StateData { return h }
@@ -58,7 +58,8 @@ func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, no
 	ctx, traced := p.tracing.startBind(ctx, state, pod, nodeName)
 	binding := &v1.Binding{
 		ObjectMeta: metav1.ObjectMeta{
-			Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID, Annotations: h.annotations,
+			Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID,
+			Annotations: h.annotations, Labels: h.labels,
 		},
 		Target: v1.ObjectReference{Kind: "Node", Name: nodeName},
 	}

@@ -76,8 +76,8 @@ func TestBindCarriesTheHandedOverAnnotationsInOneBinding(t *testing.T) {
 	}
 	b := (*got)[0]
 	if b.Name != "p" || b.UID != pod.UID || b.Target.Kind != "Node" || b.Target.Name != "n1" ||
-		b.Annotations["hami.io/vgpu-node"] != "n1" {
-		t.Errorf("Binding = %+v, want pod p (its UID) to n1 carrying the server's annotations", b)
+		b.Annotations["hami.io/vgpu-node"] != "n1" || b.Labels["hami.io/vgpu-node"] != "n1" {
+		t.Errorf("Binding = %+v, want pod p (its UID) to n1 carrying the server's annotations and labels", b)
 	}
 }
 

@@ -42,9 +42,9 @@ type fakeServer struct {
 	// reserveHandsOver: a Reserve asking for hand-over gets the annotations (nothing to wait
 	// for on the node), as the real server answers.
 	reserveHandsOver bool
-	explain       string // Explain's answer
-	lastExpl      *pluginv1.ExplainRequest
-	traceparts    []string
+	explain          string // Explain's answer
+	lastExpl         *pluginv1.ExplainRequest
+	traceparts       []string
 }
 
 func (s *fakeServer) record(ctx context.Context, method string) error {
@@ -83,7 +83,10 @@ func (s *fakeServer) Reserve(ctx context.Context, req *pluginv1.ReserveRequest) 
 	defer s.mu.Unlock()
 	s.lastRes = req
 	if s.reserveHandsOver && req.GetHandOver() {
-		return &pluginv1.ReserveResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
+		return &pluginv1.ReserveResponse{
+			Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()},
+			Labels:      map[string]string{"hami.io/vgpu-node": req.GetNode()},
+		}, nil
 	}
 	return &pluginv1.ReserveResponse{}, nil
 }
@@ -112,7 +115,10 @@ func (s *fakeServer) PreBind(ctx context.Context, req *pluginv1.PreBindRequest) 
 	if s.noAnnotations {
 		return &pluginv1.PreBindResponse{}, nil
 	}
-	return &pluginv1.PreBindResponse{Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()}}, nil
+	return &pluginv1.PreBindResponse{
+		Annotations: map[string]string{"hami.io/vgpu-node": req.GetNode()},
+		Labels:      map[string]string{"hami.io/vgpu-node": req.GetNode()},
+	}, nil
 }
 
 func (s *fakeServer) Explain(ctx context.Context, req *pluginv1.ExplainRequest) (*pluginv1.ExplainResponse, error) {

@@ -83,7 +83,7 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 			traced.finish(OutcomeError)
 			return fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreBind: no annotations handed over for pod %s/%s", pod.Namespace, pod.Name))
 		}
-		state.Write(bindKey, &handedOver{annotations: resp.GetAnnotations()})
+		state.Write(bindKey, &handedOver{annotations: resp.GetAnnotations(), labels: resp.GetLabels()})
 	} else {
 		traced.finish(OutcomePreBound) // Bind's span ends the attempt after a hand-over
 	}

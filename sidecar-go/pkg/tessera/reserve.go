@@ -38,7 +38,7 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	})
 	if err == nil {
 		if a := resp.GetAnnotations(); len(a) > 0 {
-			state.Write(bindKey, &handedOver{annotations: a})
+			state.Write(bindKey, &handedOver{annotations: a, labels: resp.GetLabels()})
 		}
 		traced.end(OutcomeOK, nil)
 		p.wide.remove(pod.UID)
