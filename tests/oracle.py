@@ -14,9 +14,11 @@ Per node, container by container (pod order), on each path the pod's modes allow
 - MIG: each device takes the smallest profile with the memory and cores asked that has a
   free placement (the choice table), on the best GPU, which counts it before the next device;
 - the best GPU: by the GPU policy's keys (the highest NUMA node first when numa leads, the GPU
-  score by binpack/spread, the highest NUMA node breaking score ties when numa follows), then
-  the lower position; topology-aware picks by pair scores among the hami-core GPUs that fit;
-  numa-bind evaluates the container on one NUMA node at a time, the highest first.
+  score by binpack/spread, the highest NUMA node breaking score ties when numa follows or the
+  policy is a single name), then the higher position (GPUs are in index order);
+  topology-aware picks by pair scores among the hami-core GPUs that fit; numa-bind evaluates
+  the container on one NUMA node at a time, the highest first (the lowest for the single
+  name binpack).
 
 The path with the better sum (hami-core on a tie) takes the container, and its devices count
 for the pod's next containers.
@@ -165,7 +167,7 @@ class _Order:
             0 if tied else 1,
             -desir if not tied else 0,
             -gp.numa if self.numa_rank == 1 else 0,
-            gp.pos,
+            -gp.pos,  # the higher GPU index first
         )
 
     def best(self, candidates: list[tuple[_Gpu, float]]) -> tuple[_Gpu, float] | None:
@@ -186,7 +188,7 @@ class _Order:
                 -gp.numa if self.numa_rank == 0 else 0,
                 -round(d, 9),
                 -gp.numa if self.numa_rank == 1 else 0,
-                gp.pos,
+                -gp.pos,
             )
 
         return [gp for gp, _ in sorted(candidates, key=key)]
@@ -245,7 +247,8 @@ def _node(state: ClusterState, node: str, request: PodRequest) -> Verdict:
             if request.numa_bind:
                 fits_anywhere = found is not None
                 found = None
-                for u in sorted({gp.numa for gp in eligible}, reverse=True):
+                lowest_first = request.gpu_policy.numa_groups_ascending
+                for u in sorted({gp.numa for gp in eligible}, reverse=not lowest_first):
                     found = run([gp for gp in eligible if gp.numa == u])[0]
                     if found is not None:
                         break

@@ -77,6 +77,9 @@ class GpuPolicy:
     keys: tuple[GpuSortKey, ...] = (GpuSortKey.SPREAD,)
     mutex: bool = False
     topology_aware: bool = False
+    # Written as a chain (a comma, or numa alone): HAMi then breaks ties by the keys written
+    # and the GPU index only; a single name breaks score ties by NUMA node first.
+    chain: bool = False
 
     @classmethod
     def parse(cls, value: str, *, default: GpuPolicy | None = None) -> GpuPolicy:
@@ -106,12 +109,13 @@ class GpuPolicy:
                     f"unknown GPU policy {short_repr(name)}; valid (alone or in a comma "
                     f"chain): {valid}"
                 )
-        return cls(tuple(keys) or (GpuSortKey.SPREAD,), mutex, topology)
+        chain = "," in value or value.strip() == GpuSortKey.NUMA
+        return cls(tuple(keys) or (GpuSortKey.SPREAD,), mutex, topology, chain)
 
     def numa_first(self) -> GpuPolicy:
         """The chain with numa moved to the front (``nvidia.com/numa-bind``)."""
         rest = tuple(k for k in self.keys if k is not GpuSortKey.NUMA)
-        return GpuPolicy((GpuSortKey.NUMA, *rest), self.mutex, self.topology_aware)
+        return GpuPolicy((GpuSortKey.NUMA, *rest), self.mutex, self.topology_aware, self.chain)
 
     @property
     def score_sign(self) -> float:
@@ -126,13 +130,21 @@ class GpuPolicy:
 
     @property
     def numa_rank(self) -> int:
-        """Where numa sorts: 0 before the GPU score, 1 after it, -1 not at all."""
+        """Where numa sorts: 0 before the GPU score, 1 after it (also for a single name: HAMi
+        breaks its score ties by NUMA node), -1 not at all."""
         if GpuSortKey.NUMA not in self.keys:
-            return -1
+            return -1 if self.chain else 1
         first_score = next(
             (i for i, k in enumerate(self.keys) if k is not GpuSortKey.NUMA), len(self.keys)
         )
         return 0 if self.keys.index(GpuSortKey.NUMA) < first_score else 1
+
+    @property
+    def numa_groups_ascending(self) -> bool:
+        """``nvidia.com/numa-bind`` tries NUMA nodes from the lowest: HAMi's order for the
+        single name binpack (every other policy tries the highest first)."""
+        rest = tuple(k for k in self.keys if k is not GpuSortKey.NUMA)
+        return not self.chain and rest == (GpuSortKey.BINPACK,)
 
     def __str__(self) -> str:
         names = [k.value for k in self.keys]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -648,14 +648,21 @@ def _pick(
 
 
 def _first(at_top: B, numa: npt.NDArray[np.int16] | None, numa_rank: int) -> I64:
-    """Per row, the first ``at_top`` column, or with ``numa_rank`` 1 the first of the highest
-    NUMA node among them."""
-    if numa is None or numa_rank != 1:
-        first: I64 = at_top.argmax(axis=1)
-        return first
-    tied_numa = np.where(at_top, numa.astype(np.int32), -1)
-    best: I64 = (tied_numa == tied_numa.max(axis=1)[:, None]).argmax(axis=1)
-    return best
+    """Per row, the last ``at_top`` column (columns are in GPU index order: HAMi tries the
+    highest index first), or with ``numa_rank`` 1 the last of the highest NUMA node among
+    them."""
+    W = at_top.shape[1]
+    if numa is not None and numa_rank == 1:
+        # One key per column, NUMA node first: the largest among the tied columns wins.
+        cols = _COLUMN_NUMBERS[:W] if len(_COLUMN_NUMBERS) >= W else np.arange(W)
+        key = numa.astype(np.int32) * W + cols
+        best: I64 = np.where(at_top, key, -1).argmax(axis=1)
+        return best
+    last: I64 = W - 1 - at_top[:, ::-1].argmax(axis=1)
+    return last
+
+
+_COLUMN_NUMBERS: Final = np.arange(64, dtype=np.int32)
 
 
 # Each row's W booleans read as one unsigned word: times 0x0101...01, the top byte is their sum.
@@ -832,6 +839,7 @@ class _Path:
         self.weights = None if request.weights.default else request.weights
         self.mutex = policy.mutex
         self.numa_rank = policy.numa_rank
+        self.numa_ascending = policy.numa_groups_ascending
         # topology-aware hami-core devices: the rows' GPU pair scores [P, W, W]
         self.pairs: F64 | None = None
         if policy.topology_aware and not mig and masks.pairs is not None:
@@ -1133,9 +1141,9 @@ class _Path:
 
     def _preference(self, desir: F64, fit: B) -> I64:
         """Per table row, the columns in the order the GPU policy takes them: by its sort keys
-        (NUMA node where it counts), then the lower column."""
+        (NUMA node where it counts), then the higher column (the higher GPU index)."""
         W = self.shape[1]
-        cols = np.broadcast_to(np.arange(W), self.shape)
+        cols = np.broadcast_to(np.arange(W - 1, -1, -1), self.shape)
         fine = -np.round(np.where(fit, desir, -np.inf), 9)
         numa = self.table.numa.astype(np.int64)
         keys: list[npt.NDArray[Any]] = [cols]
@@ -1149,8 +1157,9 @@ class _Path:
 
     def numa_bound(self, c: ContainerRequest, sign: float) -> _PathResult:
         """``c`` with all its devices on one NUMA node (``nvidia.com/numa-bind``): per table row,
-        the highest-numbered NUMA node where it fits. With ``why``, what failed everywhere, and
-        NUMA where enough GPUs fit across NUMA nodes but not on one."""
+        the highest-numbered NUMA node where it fits (the lowest for the single name binpack).
+        With ``why``, what failed everywhere, and NUMA where enough GPUs fit across NUMA nodes
+        but not on one."""
         base = self.ok
         evaluate = self.mig_path if self.mig else self.core_path
         anywhere: tuple[B, I64 | None] | None = None
@@ -1159,7 +1168,10 @@ class _Path:
             anywhere = (res.ok.copy(), None if res.why is None else res.why.copy())
         merged: _PathResult | None = None
         try:
-            for u in np.unique(self.table.numa[base])[::-1].tolist():
+            groups = np.unique(self.table.numa[base])
+            if not self.numa_ascending:
+                groups = groups[::-1]
+            for u in groups.tolist():
                 self.ok = base & (self.table.numa == u)
                 self._cache, self._dirty = None, []
                 merged = _merged(merged, evaluate(c, sign))

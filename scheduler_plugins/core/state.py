@@ -146,6 +146,10 @@ class _Record:
     applied: bool = False
 
 
+def _by_index(d: GpuDevice) -> int:
+    return d.index
+
+
 def _zeros(n: int, dtype: type[Any] = np.float64) -> npt.NDArray[Any]:
     return np.zeros(n, dtype=dtype)
 
@@ -301,8 +305,11 @@ class ClusterState:
         cordoned: frozenset[str] = frozenset(),
         pair_scores: PairScores | None = None,
     ) -> None:
-        """The node's GPUs as it registers them; ``cordoned``: UUIDs that take no new work
-        (``hami.io/device-cordon``); ``pair_scores``: how its GPUs are connected."""
+        """The node's GPUs as it registers them, kept in index order (HAMi's device plugin
+        registers them in any order; the index breaks ties between GPUs); ``cordoned``: UUIDs
+        that take no new work (``hami.io/device-cordon``); ``pair_scores``: how its GPUs are
+        connected."""
+        devices = tuple(sorted(devices, key=_by_index))
         entry = self.nodes.get(name)
         if entry is not None and entry.devices == devices:
             entry.cpu_milli, entry.memory_bytes = cpu_milli, memory_bytes

@@ -165,8 +165,9 @@ data:
 def test_default_gpu_policy_is_a_chain_as_hamis_flag(
     value: str, keys: tuple[GpuSortKey, ...], mutex: bool, topology: bool
 ) -> None:
-    cfg = load_config(f"scheduler:\n  defaultGpuPolicy: '{value}'\n")
-    assert cfg.default_gpu_policy == GpuPolicy(keys, mutex, topology)
+    policy = load_config(f"scheduler:\n  defaultGpuPolicy: '{value}'\n").default_gpu_policy
+    assert (policy.keys, policy.mutex, policy.topology_aware) == (keys, mutex, topology)
+    assert policy.chain == ("," in value)
 
 
 @pytest.mark.parametrize(
