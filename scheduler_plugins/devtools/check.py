@@ -222,8 +222,9 @@ def rebuild_state(
 
 
 def capacity_violations(state: ClusterState) -> list[Violation]:
-    """Per GPU: no overlapping MIG placements, slots ≤ count, memory ≤ devmem, and for
-    hami-core GPUs cores ≤ devcore (MIG profiles' core shares may add up past 100)."""
+    """Per GPU: no overlapping MIG placements (nor MIG reservations beside MIG slots HAMi <= v2.9
+    placed), slots ≤ count, memory ≤ devmem, and for shared GPUs cores ≤ devcore (MIG profiles'
+    core shares may add up past 100)."""
     out: list[Violation] = []
     g = state.gpus
     for name, entry in sorted(state.nodes.items()):
@@ -243,11 +244,20 @@ def capacity_violations(state: ClusterState) -> list[Violation]:
                         f"{int(g.conflict[r])} MIG slices used twice (use per slice {use})",
                     )
                 )
+            if int(g.legacy[r]) and int(g.mig_mask[r]):
+                out.append(
+                    Violation(
+                        ViolationKind.MIG_OVERLAP,
+                        where,
+                        f"{int(g.legacy[r])} MIG slots HAMi <= v2.9 placed (placement unknown) "
+                        "share the GPU with MIG reservations",
+                    )
+                )
             if g.used_slots[r] > d.count:
                 over(f"{g.used_slots[r]:.0f} vGPUs > count {d.count}")
             if g.used_mem[r] > d.devmem:
                 over(f"{g.used_mem[r]:.0f} MiB > devmem {d.devmem}")
-            if d.mode == "hami-core" and g.used_cores[r] > d.devcore:
+            if d.mode != "mig" and g.used_cores[r] > d.devcore:
                 over(f"{g.used_cores[r]:.0f}% cores > devcore {d.devcore}")
             if min(g.used_slots[r], g.used_mem[r], g.used_cores[r]) < 0:
                 over("negative usage (a pod counted off twice?)")
@@ -308,8 +318,12 @@ def annotation_violations(
                 bad(f"device {d.uuid} is not a GPU of {node}")
                 continue
             m = mig_slots.get((c.index, di))
+            if d.legacy is not None:  # a HAMi <= v2.9 MIG slot: its template's memory and cores
+                if gpu.mode != "mig":
+                    bad(f"MIG slot {d.written_uuid} on {gpu.mode} GPU {gpu.index}")
+                continue
             if m is None:
-                if gpu.mode != "hami-core":
+                if gpu.mode not in ("hami-core", "mps"):  # HAMi's mps GPUs share as hami-core
                     bad(f"shared device on {gpu.mode} GPU {gpu.index}")
                 if d.mem != c.mem_for(gpu.devmem) or d.cores != c.cores:
                     bad(f"device {d.uuid}: {d.mem} MiB {d.cores}% for request {c}")

@@ -244,10 +244,12 @@ def tessera_cluster(
     *,
     timeout_s: float = 120.0,
     tessera_args: Mapping[str, object] | None = None,
+    prepare: Callable[[KubeApi, list[str]], None] | None = None,
 ) -> Iterator[E2ECluster]:
     """A dev cluster with the profile's fake GPU nodes and Tessera's stack; torn down (purged)
     on exit, failing if any of its processes outlives ``down``. ``tessera_args`` override the
-    example profile's Tessera plugin args."""
+    example profile's Tessera plugin args; ``prepare(api, node names)`` runs once the nodes
+    are ready and before Tessera starts (what another scheduler left in the cluster)."""
     settings = settings_in(state_dir, name)
     cluster = Cluster(settings)
     t0 = time.monotonic()
@@ -256,6 +258,8 @@ def tessera_cluster(
         with info.api() as api:
             names = add_nodes(api, load_profile(profile), node_count)
             wait_ready(api, names, timeout_s=timeout_s)
+            if prepare is not None:
+                prepare(api, names)
             start_stack(settings, timeout_s=60.0, tessera_args=tessera_args)
             log.info("e2e.cluster_ready", cluster=name, seconds=round(time.monotonic() - t0, 1))
             yield E2ECluster(settings, api, _registers(api, names))

@@ -16,7 +16,7 @@ from api.hami import keys as ann
 from api.hami.catalog import find_model
 from api.hami.config import DeviceConfig
 from api.hami.devices import RuntimeIdentity
-from api.hami.register import GpuDevice, Placement, decode
+from api.hami.register import GpuDevice, Placement, decode, encode
 from node_agent.nvml.backend import full_compute_instance_profile
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from scheduler_plugins.cli import main
@@ -543,3 +543,32 @@ def test_cli_bad_input_exits_2(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("tessera: ") and message in err, err
+
+
+def legacy(name: str) -> Obj:
+    """A pod HAMi <= v2.9 placed on the MIG GPU: its template's memory and cores."""
+    return _bound(
+        name,
+        "mign",
+        {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 15000},
+        {ann.DEVICES_ALLOCATED: f"{MIG_GPU.id}[1-1],NVIDIA,19968,28:;"},
+    )
+
+
+def test_what_hami_left_passes() -> None:
+    mps_node = json.loads(json.dumps(CORE))
+    mps_gpus = tuple(
+        GpuDevice(d.id, d.index, d.count, d.devmem, d.devcore, d.type, d.numa, d.health, "mps")
+        for d in CORE_GPUS
+    )
+    mps_node["metadata"]["annotations"][ann.NODE_REGISTER] = encode(mps_gpus)
+    report = run([legacy("old"), shared("on-mps", 0, 4000)], nodes=(mps_node, MIGN))
+    assert report.ok, report.summary()
+
+
+def test_a_mig_reservation_beside_a_legacy_slot_is_caught() -> None:
+    hw = Hardware()
+    runtime = hw.create("1g.5gb", 6)
+    report = run([legacy("old"), mig("new", "1g.5gb", 6, runtime)], hw)
+    assert [v.kind for v in report.violations] == [ViolationKind.MIG_OVERLAP]
+    assert "HAMi <= v2.9" in report.violations[0].message

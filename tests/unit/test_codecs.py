@@ -13,6 +13,7 @@ from api.hami.devices import (
     encode_devices,
     encode_mig_allocations,
 )
+from api.hami.nodes import decode_cordon, decode_pair_scores
 from api.hami.register import decode, encode
 
 # HAMi v2.10's encoding (SPEC §2): struct key order, zero, false and empty fields left out.
@@ -161,3 +162,115 @@ def test_bind_phase_and_time() -> None:
         decode_bind_phase("done")
     with pytest.raises(InvalidAnnotationError, match="bind-time"):
         decode_bind_time("-1")
+
+
+# --- HAMi v2.10's own bytes ---------------------------------------------------------------------
+# What HAMi v2.10's device plugin and scheduler write (their Go encoders' output, byte for byte),
+# what v2.8/v2.9 left behind, and Tessera's output of the same facts.
+
+HAMI_REGISTER_CORE = (
+    '[{"id":"GPU-3f9a1c2e-8b7d-4e6f-a1b2-c3d4e5f60718","count":10,"devmem":15360,'
+    '"devcore":100,"type":"NVIDIA-Tesla T4","mode":"hami-core","health":true}]'
+)
+HAMI_REGISTER_MIG = (
+    '[{"id":"GPU-9e8d7c6b-5a49-3827-1605-f4e3d2c1b0a9","index":1,"count":2,"devmem":81920,'
+    '"devcore":100,"type":"NVIDIA A100-SXM4-80GB","numa":1,"mode":"mig","migProfiles":'
+    '[{"name":"3g.40gb","memoryMB":40192,"core":43,"sliceCount":3,"placements":'
+    '[{"start":0,"size":4},{"start":4,"size":4}]}],"health":true}]'
+)
+HAMI_REGISTER_UNHEALTHY_NO_MODE = (
+    '[{"id":"GPU-x","index":3,"count":10,"devmem":15360,"devcore":100,'
+    '"type":"NVIDIA-Tesla T4","numa":1}]'
+)
+HAMI_REGISTER_MPS = (
+    '[{"id":"GPU-m","count":4,"devmem":15360,"devcore":100,"type":"NVIDIA-Tesla T4",'
+    '"mode":"mps","health":true}]'
+)
+
+
+@pytest.mark.parametrize("value", [HAMI_REGISTER_CORE, HAMI_REGISTER_MIG, HAMI_REGISTER_MPS])
+def test_hami_register_bytes_read_and_written_back_identically(value: str) -> None:
+    assert encode(decode(value)) == value
+
+
+def test_hami_register_without_mode_or_health_is_an_unhealthy_hami_core_gpu() -> None:
+    (d,) = decode(HAMI_REGISTER_UNHEALTHY_NO_MODE)
+    assert (d.index, d.numa, d.mode, d.health) == (3, 1, "hami-core", False)
+
+
+def test_v2_9_register_with_empty_pair_score_is_read() -> None:
+    old = HAMI_REGISTER_CORE[:-2] + ',"devicepairscore":{}}]'
+    assert decode(old) == decode(HAMI_REGISTER_CORE)
+
+
+def test_register_with_two_gpus_in_map_order_is_read_in_that_order() -> None:
+    both = "[" + HAMI_REGISTER_MIG[1:-1] + "," + HAMI_REGISTER_CORE[1:-1] + "]"
+    assert [d.index for d in decode(both)] == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("value", "containers"),
+    [
+        # HAMi's scheduler: one container, one GPU
+        ("GPU-a,NVIDIA,1000,30:;", [[("GPU-a", 1000, 30)]]),
+        # two containers, the first with two GPUs
+        (
+            "GPU-a,NVIDIA,4000,25:GPU-b,NVIDIA,4000,25:;GPU-a,NVIDIA,2000,10:;",
+            [[("GPU-a", 4000, 25), ("GPU-b", 4000, 25)], [("GPU-a", 2000, 10)]],
+        ),
+        # v2.9: placeholders for the containers without GPUs
+        (";GPU-a,NVIDIA,1000,30:;;", [[], [("GPU-a", 1000, 30)], []]),
+        # to-allocate after HAMi's device plugin emptied both entries
+        (";;", [[], []]),
+        # a MIG device of HAMi v2.10: the plain UUID with the profile's memory and cores
+        (
+            "GPU-9e8d7c6b-5a49-3827-1605-f4e3d2c1b0a9,NVIDIA,40192,43:;",
+            [[("GPU-9e8d7c6b-5a49-3827-1605-f4e3d2c1b0a9", 40192, 43)]],
+        ),
+    ],
+)
+def test_hami_device_strings(value: str, containers: list[list[tuple[str, int, int]]]) -> None:
+    decoded = decode_devices(value)
+    assert [[(d.uuid, d.mem, d.cores) for d in c] for c in decoded] == containers
+    assert encode_devices(decoded) == value
+
+
+def test_hami_v2_9_legacy_mig_device_string_is_read_and_kept() -> None:
+    value = "GPU-9e8d7c6b-5a49-3827-1605-f4e3d2c1b0a9[1-1],NVIDIA,19968,28:;"
+    ((d,),) = decode_devices(value)
+    assert (d.uuid, d.legacy, d.mem, d.cores) == (
+        "GPU-9e8d7c6b-5a49-3827-1605-f4e3d2c1b0a9",
+        "1-1",
+        19968,
+        28,
+    )
+    assert encode_devices(((d,),)) == value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        # HAMi v2.10's scheduler at Filter
+        '[{"containerIndex":1,"deviceIndex":0,"gpuUUID":"GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee",'
+        '"profile":"3g.40gb","placement":{"start":4,"size":4}}]',
+        # its device plugin after Allocate
+        '[{"containerIndex":0,"deviceIndex":0,"gpuUUID":"GPU-a","profile":"3g.40gb",'
+        '"placement":{"start":4,"size":4},"migUUID":"MIG-b","gpuInstanceID":2,'
+        '"computeInstanceID":0}]',
+    ],
+)
+def test_hami_mig_allocations_bytes(value: str) -> None:
+    assert encode_mig_allocations(list(decode_mig_allocations(value))) == value
+
+
+def test_hami_node_annotations_cordon_and_pair_scores() -> None:
+    assert decode_cordon(" GPU-a ,,GPU-b,") == {"GPU-a", "GPU-b"}
+    assert decode_cordon("   ") == frozenset()
+    scores = decode_pair_scores(
+        '[{"uuid":"GPU-b","score":{"GPU-a":200,"GPU-c":10}},'
+        '{"uuid":"GPU-a","score":{"GPU-b":200,"GPU-c":10}}]'
+    )
+    assert scores == {"GPU-b": {"GPU-a": 200, "GPU-c": 10}, "GPU-a": {"GPU-b": 200, "GPU-c": 10}}
+    assert decode_pair_scores("null") == {}
+    with pytest.raises(InvalidAnnotationError, match="node-nvidia-score"):
+        decode_pair_scores('[{"uuid":"GPU-a","score":{"GPU-b":1.5}}]')
