@@ -150,13 +150,14 @@ def make_pods(
                     continue
                 placement = table.placement(*choice)
                 masks[g] |= placement.mask
-                mig = MigAllocation(0, 0, dev.id, table.profiles[choice[0]].name, placement)
-                alloc = PodAllocation(key, node, (), (mig,), 1000, 4 * 2**30)
+                profile = table.profiles[choice[0]]
+                mig = MigAllocation(0, 0, dev.id, profile.name, placement)
+                # as the pod's device list gives it (what parse_allocation reads)
+                listed = ((0, DeviceAlloc(dev.id, profile.memory_mb, profile.core)),)
+                alloc = PodAllocation(key, node, (), (mig,), 1000, 4 * 2**30, listed)
             else:
-                mem = rng.randint(1024, 4096)
-                alloc = PodAllocation(
-                    key, node, (DeviceAlloc(dev.id, mem, rng.randint(0, 15)),), (), 1000, 4 * 2**30
-                )
+                device = DeviceAlloc(dev.id, rng.randint(1024, 4096), rng.randint(0, 15))
+                alloc = PodAllocation(key, node, (device,), (), 1000, 4 * 2**30, ((0, device),))
             pods[key] = alloc
             caps[g] -= 1
             if caps[g] > 0:

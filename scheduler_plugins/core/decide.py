@@ -65,14 +65,17 @@ class PodPlan:
     def allocation(self, cpu_milli: int = 0, memory_bytes: int = 0) -> PodAllocation:
         shared: list[DeviceAlloc] = []
         mig: list[MigAllocation] = []
+        listed: list[tuple[int, DeviceAlloc]] = []
         for ci, devices in enumerate(self.containers):
             for di, d in enumerate(devices):
+                device = DeviceAlloc(d.uuid, d.mem, d.cores)
+                listed.append((ci, device))
                 if d.mig_profile is not None and d.placement is not None:
                     mig.append(MigAllocation(ci, di, d.uuid, d.mig_profile, d.placement))
                 else:
-                    shared.append(DeviceAlloc(d.uuid, d.mem, d.cores))
+                    shared.append(device)
         return PodAllocation(
-            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes
+            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes, tuple(listed)
         )
 
     def device_allocs(self) -> tuple[tuple[DeviceAlloc, ...], ...]:

@@ -9,7 +9,7 @@ recorded for a bound pod.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from api.errors import InvalidRequestError, short_repr
@@ -251,6 +251,9 @@ class PodAllocation:
     mig: tuple[MigAllocation, ...]
     cpu_milli: int = 0
     memory_bytes: int = 0
+    # Every device as the pod's device list gives it, with its container entry (MIG devices
+    # included): what HAMi's per-container metrics report. Not part of what the pod holds.
+    listed: tuple[tuple[int, DeviceAlloc], ...] = field(default=(), compare=False)
 
 
 def counts_against_capacity(pod: Mapping[str, Any]) -> bool:
@@ -294,4 +297,5 @@ def parse_allocation(pod: Mapping[str, Any]) -> PodAllocation | None:
             continue  # the API server validated these; a bad one only skips CPU/memory terms
     if not shared and not mig and not cpu_milli and not memory_bytes:
         return None
-    return PodAllocation(key, node, shared, mig, cpu_milli, memory_bytes)
+    listed = tuple((ci, d) for ci, container in enumerate(devices) for d in container)
+    return PodAllocation(key, node, shared, mig, cpu_milli, memory_bytes, listed)

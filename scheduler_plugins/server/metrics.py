@@ -2,12 +2,13 @@
 
 - ``StateCollector``: HAMi's per-GPU allocation gauges (``hami_gpu_*``, ``hami_node_gpu_*``),
   ``hami_node_gpu_mig_instance_info`` for every MIG instance with a complete runtime identity,
-  and the reservations held, all read from the plugin server's ``ClusterState`` at scrape
-  time. Nothing is updated per event: one short hold of the cache's lock copies the usage
-  columns and the list of pod allocations, and the text is rendered outside it, column by
-  column. Label text depends only on the state's layout (which nodes and GPUs exist), so it
-  is built once per layout, and a pod's MIG lines once per allocation: a scrape of 40k GPUs
-  formats values, not labels.
+  HAMi's per-container gauges (``hami_vgpu_*``), the GPUs that take no new work
+  (``tessera_gpu_unavailable``) and the reservations held, all read from the plugin server's
+  ``ClusterState`` at scrape time. Nothing is updated per event: one short hold of the
+  cache's lock copies the usage columns and the list of pod allocations, and the text is
+  rendered outside it, column by column. Label text depends only on the state's layout
+  (which nodes and GPUs exist), so it is built once per layout, and a pod's MIG and
+  container lines once per allocation: a scrape of 40k GPUs formats values, not labels.
 - ``SchedulingMetrics``: decision and per-RPC latency histograms, decisions by outcome and
   the reasons pending pods were rejected for; the servicer records them.
 - ``MetricsServer``: a small HTTP server answering ``GET /metrics``.
@@ -50,6 +51,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
@@ -68,6 +70,16 @@ ZONE: Final = "vGPU"
 MIB: Final = 1 << 20
 MIG_INSTANCE_INFO: Final = "hami_node_gpu_mig_instance_info"
 RESERVATIONS_HELD: Final = "tessera_scheduler_reservations_held"
+VGPU_MEMORY: Final = "hami_vgpu_memory_allocated_bytes"
+VGPU_CORES: Final = "hami_vgpu_core_allocated_ratio"
+CONTAINER_LABEL_NAMES: Final = (
+    "container_index",
+    "device_uuid",
+    "namespace",
+    "node",
+    "pod",
+    "zone",
+)
 GPU_UNAVAILABLE: Final = "tessera_gpu_unavailable"
 # Why a whole GPU takes no new work (each a ``reason`` label value of GPU_UNAVAILABLE).
 UNAVAILABLE_REASONS: Final = ("legacy_mig", "cordoned", "mig_conflict")
@@ -370,6 +382,37 @@ class _MigLines:
     lines: tuple[bytes, ...]
 
 
+@dataclass(frozen=True)
+class _ContainerLines:
+    """One pod's per-container device lines (memory, cores), for the allocation object they
+    came from."""
+
+    alloc: PodAllocation
+    memory: bytes  # the pod's lines of each family, joined
+    cores: bytes
+
+    @staticmethod
+    def of(alloc: PodAllocation) -> _ContainerLines:
+        """HAMi's per-container series: one per device of each container entry (a container
+        holding two MIG instances of one GPU gives one series, their sum)."""
+        namespace, _, pod = alloc.key.partition("/")
+        e = escape_label_value
+        tail = f'namespace="{e(namespace)}",node="{e(alloc.node)}",pod="{e(pod)}",zone="{ZONE}"}} '
+        sums: dict[str, list[int]] = {}
+        for ci, d in alloc.listed:
+            if not d.uuid:
+                continue
+            labels = f'container_index="{ci}",device_uuid="{e(d.written_uuid)}",{tail}'
+            acc = sums.setdefault(labels, [0, 0])
+            acc[0] += d.mem
+            acc[1] += d.cores
+        memory = "".join(
+            f"{VGPU_MEMORY}{{{k}{go_float(float(m * MIB))}\n" for k, (m, _) in sums.items()
+        )
+        cores = "".join(f"{VGPU_CORES}{{{k}{go_float(float(c))}\n" for k, (_, c) in sums.items())
+        return _ContainerLines(alloc, memory.encode(), cores.encode())
+
+
 class ReservationTracker:
     """Which reservations are still held, without looking at every pod.
 
@@ -417,6 +460,7 @@ class StateSnapshot:
     legacy: npt.NDArray[np.int32]
     cordoned: npt.NDArray[np.bool_]
     conflict: npt.NDArray[np.int32]
+    containers: tuple[_ContainerLines, ...] = ()
 
     def mig_instances(self) -> tuple[MigInstance, ...]:
         """The instances of ``mig_lines``, in the same order."""
@@ -586,6 +630,32 @@ def _mig_family(snap: StateSnapshot) -> RenderedGauge | None:
     )
 
 
+def _container_families(snap: StateSnapshot) -> list[RenderedGauge]:
+    """HAMi's per-container families, ``hami_vgpu_*`` (what each container of a placed pod was
+    given on each GPU)."""
+    if not snap.containers:
+        return []
+    out = []
+    for name, doc, pick in (
+        (VGPU_MEMORY, "vGPU memory allocated from a container", operator.attrgetter("memory")),
+        (VGPU_CORES, "vGPU core allocated from a container", operator.attrgetter("cores")),
+    ):
+
+        def render(pick: Callable[[_ContainerLines], bytes] = pick) -> bytes:
+            return b"".join(map(pick, snap.containers))
+
+        def make_samples(name: str = name, render: Callable[[], bytes] = render) -> list[Sample]:
+            return [
+                sample
+                for f in text_string_to_metric_families(render().decode())
+                for sample in f.samples
+                if sample.name == name
+            ]
+
+        out.append(RenderedGauge(name, doc, render, make_samples))
+    return out
+
+
 def _unavailable_family(snap: StateSnapshot) -> GaugeMetricFamily | None:
     """One sample per GPU that takes no new work and why (few rows: built plainly)."""
     if not len(snap.legacy):
@@ -631,6 +701,7 @@ class StateCollector(Collector):
         self._rows: GpuRows | None = None
         # Replaced (never mutated) by each scrape, so concurrent scrapes need no lock for it.
         self._mig_lines: tuple[int, dict[str, _MigLines]] = (-1, {})
+        self._container_lines: dict[str, _ContainerLines] = {}
 
     def snapshot(self) -> StateSnapshot:
         state = self._state
@@ -652,6 +723,7 @@ class StateCollector(Collector):
         # Two pods claiming one instance would be an inconsistent state; export it once.
         lines = tuple(dict.fromkeys(line for pod in mig_pods for line in pod.lines))
         legacy, cordoned, conflict = blocked
+        containers = self._containers(allocations)
         return StateSnapshot(
             rows,
             used_slots,
@@ -663,7 +735,21 @@ class StateCollector(Collector):
             legacy[rows.rows],
             cordoned[rows.rows],
             conflict[rows.rows],
+            containers,
         )
+
+    def _containers(self, allocations: list[PodAllocation]) -> tuple[_ContainerLines, ...]:
+        before = self._container_lines
+        now: dict[str, _ContainerLines] = {}
+        for alloc in allocations:
+            if not alloc.listed:
+                continue
+            kept = before.get(alloc.key)
+            if kept is None or kept.alloc is not alloc:
+                kept = _ContainerLines.of(alloc)
+            now[alloc.key] = kept
+        self._container_lines = now
+        return tuple(now.values())
 
     def _mig(self, allocations: list[PodAllocation], rows: GpuRows) -> tuple[_MigLines, ...]:
         version, before = self._mig_lines
@@ -682,7 +768,8 @@ class StateCollector(Collector):
         return tuple(now.values())
 
     def describe(self) -> Iterable[Metric]:
-        names = [g.name for g in GPU_GAUGES] + [MIG_INSTANCE_INFO, GPU_UNAVAILABLE]
+        names = [g.name for g in GPU_GAUGES]
+        names += [MIG_INSTANCE_INFO, VGPU_MEMORY, VGPU_CORES, GPU_UNAVAILABLE]
         if self._reservations is not None:
             names.append(RESERVATIONS_HELD)
         return [GaugeMetricFamily(n, "") for n in names]
@@ -691,6 +778,7 @@ class StateCollector(Collector):
         snap = self.snapshot()
         families: list[Metric | None] = [_gpu_family(g, snap) for g in GPU_GAUGES]
         families.append(_mig_family(snap))
+        families.extend(_container_families(snap))
         families.append(_unavailable_family(snap))
         if snap.reservations_held is not None:
             families.append(

@@ -9,7 +9,8 @@ Rules, in the order a user meets them:
   (``review_pod_update``): a forged record would let the scheduler over-commit a GPU or
   hand a container another pod's devices.
 - A pod that asks for Tessera resources must not preset ``spec.nodeName``: it would bypass
-  the scheduler, so its devices would be neither reserved nor counted (403).
+  the scheduler, so its devices would be neither reserved nor counted (403); nor run a
+  privileged container, which sees every GPU of the node (403, as HAMi's webhook).
 - Trusted users (``Settings.trusted_users``, e.g. an operator restoring placed pods) may
   preset both.
 - A pod that asks for Tessera resources and names no scheduler (or ``default-scheduler``)
@@ -139,6 +140,12 @@ def review_pod(
     scheduler = _dict(pod.get("spec")).get("schedulerName") or DEFAULT_SCHEDULER
     if not tessera or scheduler not in (DEFAULT_SCHEDULER, settings.scheduler_name):
         return PodVerdict(forbidden=tuple(forbidden))
+    forbidden += [
+        f"container {c.get('name')!r} is privileged: it would see every GPU of its node, "
+        f"not the share {settings.scheduler_name} gives it; drop securityContext.privileged"
+        for _, _, c in _containers(pod)
+        if _dict(c.get("securityContext")).get("privileged") is True
+    ]
     try:
         request = parse_request(pod, config)
     except InvalidRequestError as e:

@@ -312,6 +312,38 @@ def test_gpus_that_take_no_new_work_are_exported_with_the_reason(cache: ClusterC
     assert "# TYPE tessera_gpu_unavailable gauge" in scrape(cache)
 
 
+def test_per_container_gauges_as_hami_writes_them(cache: ClusterCache) -> None:
+    cache.apply_node(node_obj("node1", gpu("GPU-10", index=0), gpu("GPU-11", index=1)))
+    cache.apply_node(node_obj("MIG-NODE-A", mig_gpu("GPU-xxxxxxxx")))
+    two = core_pod("two", "node1", [("GPU-10", 2000, 30)])
+    # a second container, with a device on each GPU
+    two["metadata"]["annotations"][ann.DEVICES_ALLOCATED] = (
+        "GPU-10,NVIDIA,2000,30:;GPU-10,NVIDIA,1000,0:GPU-11,NVIDIA,1000,0:;"
+    )
+    cache.apply_pod(two)
+    m = mig_pod("m", "MIG-NODE-A", [mig_entry("GPU-xxxxxxxx", "2g.10gb", 2, 2)])
+    m["metadata"]["annotations"][ann.DEVICES_ALLOCATED] = "GPU-xxxxxxxx,NVIDIA,9984,29:;"
+    cache.apply_pod(m)
+    text = scrape(cache)
+    assert family(text, "hami_vgpu_memory_allocated_bytes") == [
+        "# HELP hami_vgpu_memory_allocated_bytes vGPU memory allocated from a container",
+        "# TYPE hami_vgpu_memory_allocated_bytes gauge",
+        'hami_vgpu_memory_allocated_bytes{container_index="0",device_uuid="GPU-10",'
+        'namespace="default",node="node1",pod="two",zone="vGPU"} 2.097152e+09',
+        'hami_vgpu_memory_allocated_bytes{container_index="0",device_uuid="GPU-xxxxxxxx",'
+        'namespace="default",node="MIG-NODE-A",pod="m",zone="vGPU"} 1.0468982784e+10',
+        'hami_vgpu_memory_allocated_bytes{container_index="1",device_uuid="GPU-10",'
+        'namespace="default",node="node1",pod="two",zone="vGPU"} 1.048576e+09',
+        'hami_vgpu_memory_allocated_bytes{container_index="1",device_uuid="GPU-11",'
+        'namespace="default",node="node1",pod="two",zone="vGPU"} 1.048576e+09',
+    ]
+    cores = family(text, "hami_vgpu_core_allocated_ratio")
+    assert cores[0] == "# HELP hami_vgpu_core_allocated_ratio vGPU core allocated from a container"
+    assert [ln.rsplit(" ", 1)[1] for ln in cores[2:]] == ["30", "29", "0", "0"]
+    cache.apply_pod(core_pod("two", "node1", [("GPU-10", 2000, 30)], phase="Succeeded"))
+    assert 'pod="two"' not in scrape(cache)
+
+
 def test_gauges_follow_pods_and_nodes_as_they_change(cache: ClusterCache) -> None:
     cache.apply_node(node_obj("node1", gpu("GPU-10")))
     cache.apply_pod(core_pod("a", "node1", [("GPU-10", 2000, 30)]))
@@ -349,8 +381,9 @@ def test_columns_and_samples_give_the_same_series() -> None:
         node1=(gpu("GPU-10", index=0), gpu("GPU-11", index=1, mem=0)),
         MIG_NODE_A=(mig_gpu("GPU-xxxxxxxx", "A100-PCIE-40GB"),),
     )
+    device = DeviceAlloc("GPU-10", 2500, 30)
     state.upsert_pod(
-        PodAllocation("default/a", "node1", (DeviceAlloc("GPU-10", 2500, 30),), ()), "default/a"
+        PodAllocation("default/a", "node1", (device,), (), listed=((0, device),)), "default/a"
     )
     runtime = RuntimeIdentity("MIG-xxxxxxxx", 4, 0)
     mig = MigAllocation(0, 0, "GPU-xxxxxxxx", "2g.10gb", Placement(2, 2), runtime)

@@ -67,6 +67,11 @@ def _with(p: PodBuilder, **spec: Any) -> dict[str, Any]:
     return obj
 
 
+def _privileged(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    return obj
+
+
 CASES = [
     # --- what is left alone
     Case("no GPU request: unchanged", pod(cpu="1").build()),
@@ -175,6 +180,20 @@ CASES = [
         "trusted user may preset annotations and nodeName",
         _with(pod(**{GPU: 1}).annotate(ann.DEVICES_ALLOCATED, "x"), nodeName="core-0"),
         (SCHED,),
+        user="tessera-admin",
+        settings=Settings(trusted_users=frozenset({"tessera-admin"})),
+    ),
+    Case(
+        "privileged container in a GPU pod",
+        _privileged(pod(**{GPU: 1}).build()),
+        code=403,
+        message=("container 'main' is privileged", "every GPU"),
+    ),
+    Case(
+        "trusted users may not run privileged GPU pods either",
+        _privileged(pod(**{GPU: 1}).build()),
+        code=403,
+        message=("privileged",),
         user="tessera-admin",
         settings=Settings(trusted_users=frozenset({"tessera-admin"})),
     ),
