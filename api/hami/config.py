@@ -338,7 +338,11 @@ def _log_level(m: Mapping[str, Any], key: str, sect: str) -> LibCudaLogLevel | N
     if v is None:
         return None
     text = str(v) if isinstance(v, int) and not isinstance(v, bool) else v
-    return _choice({key: text}, key, LIB_CUDA_LOG_LEVELS, "0", sect)
+    if text not in LIB_CUDA_LOG_LEVELS:
+        raise InvalidConfigError(
+            f"{sect}.{key}", f"{short_repr(text)} is not one of {', '.join(LIB_CUDA_LOG_LEVELS)}"
+        )
+    return cast("LibCudaLogLevel", text)
 
 
 _DNS_SUBDOMAIN: Final = re.compile(r"\A[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from api.errors import InvalidAnnotationError, short_repr
+from api.hami.jsonvalue import Bad, annotation_errors, load_json
 from api.hami.keys import (
     BIND_PHASE,
     BIND_PHASES,
@@ -177,13 +178,8 @@ def _decode_valid_mig_allocations(value: str) -> tuple[MigAllocation, ...]:
 
 
 def _decode_mig_allocations(value: str, obj: str) -> tuple[MigAllocation, ...]:
-    def bad(problem: str) -> InvalidAnnotationError:
-        return InvalidAnnotationError(MIG_ALLOCATIONS, problem, obj=obj)
-
-    try:
-        raw = json.loads(value)
-    except (ValueError, RecursionError) as e:  # ValueError: also ints over 4300 digits
-        raise bad(f"not valid JSON ({e})") from e
+    bad = annotation_errors(MIG_ALLOCATIONS, obj)
+    raw = load_json(value, bad)
     if not isinstance(raw, list):
         raise bad("must be a JSON array with one entry per MIG device")
     allocs: list[MigAllocation] = []
@@ -233,7 +229,7 @@ def _decode_mig_allocations(value: str, obj: str) -> tuple[MigAllocation, ...]:
     return tuple(allocs)
 
 
-def _int(raw: dict[str, Any], key: str, where: str, bad: Any, *, default: int | None) -> int:
+def _int(raw: dict[str, Any], key: str, where: str, bad: Bad, *, default: int | None) -> int:
     v = raw.get(key)
     if v is None:
         if default is None:

@@ -4,11 +4,11 @@ device plugin writes for the ``topology-aware`` GPU policy)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, cast
 
-from api.errors import InvalidAnnotationError, short_repr
+from api.errors import short_repr
+from api.hami.jsonvalue import annotation_errors, load_json
 from api.hami.keys import DEVICE_CORDON, NODE_PAIR_SCORES
 
 PairScores = Mapping[str, Mapping[str, int]]
@@ -25,13 +25,8 @@ def decode_pair_scores(value: str, *, obj: str = "") -> PairScores:
     """``[{"uuid":"GPU-a","score":{"GPU-b":200}}, ...]``; ``null`` is no scores. Raises
     InvalidAnnotationError naming the entry and field."""
 
-    def bad(problem: str) -> InvalidAnnotationError:
-        return InvalidAnnotationError(NODE_PAIR_SCORES, problem, obj=obj)
-
-    try:
-        raw = json.loads(value)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"not valid JSON ({e})") from e
+    bad = annotation_errors(NODE_PAIR_SCORES, obj)
+    raw = load_json(value, bad)
     if raw is None:
         return {}
     if not isinstance(raw, list):

@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, cast
 
-from api.errors import InvalidAnnotationError, short_repr
+from api.errors import short_repr
+from api.hami.jsonvalue import Bad, annotation_errors, load_json
 from api.hami.keys import GPU_MODES, NODE_REGISTER, GpuMode, parse_gpu_mode
 
 
@@ -104,13 +105,8 @@ def _profile_json(p: MigProfile) -> dict[str, object]:
 def decode(value: str, *, obj: str = "") -> tuple[GpuDevice, ...]:
     """Decode and validate; raises InvalidAnnotationError naming the GPU and field."""
 
-    def bad(problem: str) -> InvalidAnnotationError:
-        return InvalidAnnotationError(NODE_REGISTER, problem, obj=obj)
-
-    try:
-        raw = json.loads(value)
-    except (ValueError, RecursionError) as e:  # ValueError: also ints over 4300 digits
-        raise bad(f"not valid JSON ({e})") from e
+    bad = annotation_errors(NODE_REGISTER, obj)
+    raw = load_json(value, bad)
     if not isinstance(raw, list):
         raise bad("must be a JSON array with one object per GPU")
     devices: list[GpuDevice] = []
@@ -151,7 +147,7 @@ def decode(value: str, *, obj: str = "") -> tuple[GpuDevice, ...]:
 class _Fields:
     """Typed field access with HAMi's omit-zero convention and precise error paths."""
 
-    def __init__(self, raw: dict[str, Any], where: str, bad: Any) -> None:
+    def __init__(self, raw: dict[str, Any], where: str, bad: Bad) -> None:
         self.raw = raw
         self.where = where
         self.bad = bad
@@ -185,7 +181,7 @@ class _Fields:
         return v
 
 
-def _decode_profiles(raw: object, where: str, bad: Any) -> tuple[MigProfile, ...]:
+def _decode_profiles(raw: object, where: str, bad: Bad) -> tuple[MigProfile, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -657,15 +657,11 @@ def _first(at_top: B, numa: npt.NDArray[np.int16] | None, numa_rank: int) -> I64
     W = at_top.shape[1]
     if numa is not None and numa_rank == 1:
         # One key per column, NUMA node first: the largest among the tied columns wins.
-        cols = _COLUMN_NUMBERS[:W] if len(_COLUMN_NUMBERS) >= W else np.arange(W)
-        key = numa.astype(np.int32) * W + cols
+        key = numa.astype(np.int32) * W + np.arange(W, dtype=np.int32)
         best: I64 = np.where(at_top, key, -1).argmax(axis=1)
         return best
     last: I64 = W - 1 - at_top[:, ::-1].argmax(axis=1)
     return last
-
-
-_COLUMN_NUMBERS: Final = np.arange(64, dtype=np.int32)
 
 
 # Each row's W booleans read as one unsigned word: times 0x0101...01, the top byte is their sum.

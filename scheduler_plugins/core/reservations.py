@@ -521,7 +521,7 @@ class Reservations:
         undo = {
             "metadata": {
                 "annotations": dict.fromkeys(patched),
-                "labels": dict.fromkeys((ann.VGPU_NODE_LABEL,)),
+                "labels": {ann.VGPU_NODE_LABEL: None},
             }
         }
         for _ in range(3):

@@ -323,7 +323,7 @@ def annotation_violations(
                     bad(f"MIG slot {d.written_uuid} on {gpu.mode} GPU {gpu.index}")
                 continue
             if m is None:
-                if gpu.mode not in ("hami-core", "mps"):  # HAMi's mps GPUs share as hami-core
+                if gpu.mode == "mig":
                     bad(f"shared device on {gpu.mode} GPU {gpu.index}")
                 if d.mem != c.mem_for(gpu.devmem) or d.cores != c.cores:
                     bad(f"device {d.uuid}: {d.mem} MiB {d.cores}% for request {c}")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -81,6 +81,22 @@ HELD = (
     holding("a", NODE, "GPU-0,NVIDIA,4000,30:;"),
     holding("b", NODE, "GPU-1,NVIDIA,1000,10:;"),
     holding("c", NODE, "GPU-3,NVIDIA,2000,20:;"),
+)
+
+
+# Pair scores: 0-1 100, 0-2 20, 0-3 10, 1-2 10, 1-3 10, 2-3 300 (NVLink between 2 and 3).
+PAIR_SCORES: Final = {
+    ann.NODE_PAIR_SCORES: (
+        '[{"uuid":"GPU-0","score":{"GPU-1":100,"GPU-2":20,"GPU-3":10}},'
+        '{"uuid":"GPU-1","score":{"GPU-0":100,"GPU-2":10,"GPU-3":10}},'
+        '{"uuid":"GPU-2","score":{"GPU-0":20,"GPU-1":10,"GPU-3":300}},'
+        '{"uuid":"GPU-3","score":{"GPU-0":10,"GPU-1":10,"GPU-2":300}}]'
+    )
+}
+# GPU-0: 6000 MiB, 10 cores used; GPU-1: 1000 MiB, 90 cores.
+MEMORY_VS_CORES: Final = (
+    holding("a", NODE, "GPU-0,NVIDIA,6000,10:;"),
+    holding("b", NODE, "GPU-1,NVIDIA,1000,90:;"),
 )
 
 
@@ -244,17 +260,14 @@ CASES = [
         reason="cordoned",
     ),
     # --- device-scoring-weights ----------------------------------------------------------------
-    # GPU-0: 6000 MiB, 10 cores used; GPU-1: 1000 MiB, 90 cores. binpack with even weights
-    # takes GPU-1 (cores weigh more); with cores weighted 0, GPU-0 (memory).
+    # MEMORY_VS_CORES: binpack with even weights takes GPU-1 (cores weigh more); with cores
+    # weighted 0, GPU-0 (memory).
     Case(
         "binpack with even weights",
         {GPU_POLICY: "binpack"},
         cores=0,
         expected=("GPU-1",),
-        held=(
-            holding("a", NODE, "GPU-0,NVIDIA,6000,10:;"),
-            holding("b", NODE, "GPU-1,NVIDIA,1000,90:;"),
-        ),
+        held=MEMORY_VS_CORES,
         devices=GPUS[:2],
     ),
     Case(
@@ -262,42 +275,24 @@ CASES = [
         {GPU_POLICY: "binpack", ann.SCORING_WEIGHTS: "slot=1, core=0, memory=1"},
         cores=0,
         expected=("GPU-0",),
-        held=(
-            holding("a", NODE, "GPU-0,NVIDIA,6000,10:;"),
-            holding("b", NODE, "GPU-1,NVIDIA,1000,90:;"),
-        ),
+        held=MEMORY_VS_CORES,
         devices=GPUS[:2],
     ),
-    # --- topology-aware ------------------------------------------------------------------------
-    # Pair scores: 0-1 100, 0-2 20, 0-3 10, 1-2 10, 1-3 10, 2-3 300 (NVLink between 2 and 3).
+    # --- topology-aware (PAIR_SCORES) ---------------------------------------------------------
     Case(
         "topology-aware, two GPUs: the best-connected pair",
         {GPU_POLICY: "topology-aware"},
         count=2,
         expected=("GPU-2", "GPU-3"),
         held=(),
-        node_annotations={
-            ann.NODE_PAIR_SCORES: (
-                '[{"uuid":"GPU-0","score":{"GPU-1":100,"GPU-2":20,"GPU-3":10}},'
-                '{"uuid":"GPU-1","score":{"GPU-0":100,"GPU-2":10,"GPU-3":10}},'
-                '{"uuid":"GPU-2","score":{"GPU-0":20,"GPU-1":10,"GPU-3":300}},'
-                '{"uuid":"GPU-3","score":{"GPU-0":10,"GPU-1":10,"GPU-2":300}}]'
-            )
-        },
+        node_annotations=PAIR_SCORES,
     ),
     Case(
         "topology-aware, one GPU: the least connected (leaves the NVLink pair whole)",
         {GPU_POLICY: "topology-aware"},
         expected=("GPU-1",),  # sums: GPU-0 130, GPU-1 120, GPU-2 330, GPU-3 320
         held=(),
-        node_annotations={
-            ann.NODE_PAIR_SCORES: (
-                '[{"uuid":"GPU-0","score":{"GPU-1":100,"GPU-2":20,"GPU-3":10}},'
-                '{"uuid":"GPU-1","score":{"GPU-0":100,"GPU-2":10,"GPU-3":10}},'
-                '{"uuid":"GPU-2","score":{"GPU-0":20,"GPU-1":10,"GPU-3":300}},'
-                '{"uuid":"GPU-3","score":{"GPU-0":10,"GPU-1":10,"GPU-2":300}}]'
-            )
-        },
+        node_annotations=PAIR_SCORES,
     ),
     Case(
         "topology-aware among the GPUs that fit: GPU-3 is full, so 0-1 is the best pair",
@@ -306,14 +301,7 @@ CASES = [
         mem=7000,
         expected=("GPU-0", "GPU-1"),
         held=(holding("c", NODE, "GPU-3,NVIDIA,2000,20:;"),),
-        node_annotations={
-            ann.NODE_PAIR_SCORES: (
-                '[{"uuid":"GPU-0","score":{"GPU-1":100,"GPU-2":20,"GPU-3":10}},'
-                '{"uuid":"GPU-1","score":{"GPU-0":100,"GPU-2":10,"GPU-3":10}},'
-                '{"uuid":"GPU-2","score":{"GPU-0":20,"GPU-1":10,"GPU-3":300}},'
-                '{"uuid":"GPU-3","score":{"GPU-0":10,"GPU-1":10,"GPU-2":300}}]'
-            )
-        },
+        node_annotations=PAIR_SCORES,
     ),
     # --- what HAMi <= v2.9 and v2.10 nodes leave ------------------------------------------------
     Case(
