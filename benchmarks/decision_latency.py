@@ -55,7 +55,7 @@ import numpy as np
 from api.hami import keys as ann
 from api.hami.catalog import GpuModel, find_model
 from api.hami.config import DeviceConfig
-from api.hami.devices import DeviceAlloc, MigAllocation
+from api.hami.devices import DeviceAlloc, MigAllocation, encode_devices
 from api.hami.register import GpuDevice, MigProfile
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.explain import explain
@@ -152,12 +152,13 @@ def make_pods(
                 masks[g] |= placement.mask
                 profile = table.profiles[choice[0]]
                 mig = MigAllocation(0, 0, dev.id, profile.name, placement)
-                # as the pod's device list gives it (what parse_allocation reads)
-                listed = ((0, DeviceAlloc(dev.id, profile.memory_mb, profile.core)),)
-                alloc = PodAllocation(key, node, (), (mig,), 1000, 4 * 2**30, listed)
+                # with its device list as the API shows it (what parse_allocation keeps)
+                written = encode_devices(((DeviceAlloc(dev.id, profile.memory_mb, profile.core),),))
+                alloc = PodAllocation(key, node, (), (mig,), 1000, 4 * 2**30, written)
             else:
                 device = DeviceAlloc(dev.id, rng.randint(1024, 4096), rng.randint(0, 15))
-                alloc = PodAllocation(key, node, (device,), (), 1000, 4 * 2**30, ((0, device),))
+                written = encode_devices(((device,),))
+                alloc = PodAllocation(key, node, (device,), (), 1000, 4 * 2**30, written)
             pods[key] = alloc
             caps[g] -= 1
             if caps[g] > 0:

@@ -65,17 +65,14 @@ class PodPlan:
     def allocation(self, cpu_milli: int = 0, memory_bytes: int = 0) -> PodAllocation:
         shared: list[DeviceAlloc] = []
         mig: list[MigAllocation] = []
-        listed: list[tuple[int, DeviceAlloc]] = []
         for ci, devices in enumerate(self.containers):
             for di, d in enumerate(devices):
-                device = DeviceAlloc(d.uuid, d.mem, d.cores)
-                listed.append((ci, device))
                 if d.mig_profile is not None and d.placement is not None:
                     mig.append(MigAllocation(ci, di, d.uuid, d.mig_profile, d.placement))
                 else:
-                    shared.append(device)
+                    shared.append(DeviceAlloc(d.uuid, d.mem, d.cores))
         return PodAllocation(
-            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes, tuple(listed)
+            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes
         )
 
     def device_allocs(self) -> tuple[tuple[DeviceAlloc, ...], ...]:
@@ -621,21 +618,24 @@ def _pick(
     work: Scratch,
     numa: npt.NDArray[np.int16] | None = None,
     numa_rank: int = -1,
+    tie_key: npt.NDArray[np.int32] | None = None,
 ) -> tuple[I64, B]:
-    """Per table row: the first column with the maximum ``desir`` among ``avail`` columns
-    (``desir`` finite). With ``numa`` (per column) and ``numa_rank`` 0, only the columns of the
-    row's highest NUMA node among ``avail`` compete; with ``numa_rank`` 1, the highest NUMA node
-    breaks ties of ``desir`` (the GPU policy's sort keys in their order). Column-wise maxima:
-    numpy's axis-1 reductions over 8 columns are slow."""
+    """Per table row: the column with the maximum ``desir`` among ``avail`` columns (``desir``
+    finite), ties to the last column (columns are in GPU index order: HAMi tries the highest
+    index first). With ``numa`` (per column) and ``numa_rank`` 0, only the columns of the
+    row's highest NUMA node among ``avail`` compete; with ``numa_rank`` 1, the highest NUMA
+    node breaks ties of ``desir`` first (the table's ``tie_key``). Column-wise maxima: numpy's
+    axis-1 reductions over 8 columns are slow."""
     if numa is not None and numa_rank == 0:
         best_numa = np.where(avail, numa, -1).max(axis=1)
         avail = avail & (numa == best_numa[:, None])
+    key = tie_key if numa_rank == 1 else None
     shape = desir.shape
     if desir.size <= _SMALL:  # the same maxima and comparisons, in fewer calls
         v0 = desir + _OK_OFFSET[avail.view(np.uint8)]
         top0 = v0.max(axis=1)
         at_top0 = v0 >= (top0 - 1e-9)[:, None]
-        return _first(at_top0, numa, numa_rank), top0 > -np.inf
+        return _last(at_top0, key, work), top0 > -np.inf
     v = work.get("pick_v", shape, np.float64)  # desir, -inf where not available
     np.take(_OK_OFFSET, avail.view(np.uint8), out=v, mode="clip")
     np.add(desir, v, out=v)
@@ -647,20 +647,17 @@ def _pick(
     top -= 1e-9
     at_top = work.get("pick_at_top", shape, np.bool_)
     np.greater_equal(v, top[:, None], out=at_top)
-    return _first(at_top, numa, numa_rank), found
+    return _last(at_top, key, work), found
 
 
-def _first(at_top: B, numa: npt.NDArray[np.int16] | None, numa_rank: int) -> I64:
-    """Per row, the last ``at_top`` column (columns are in GPU index order: HAMi tries the
-    highest index first), or with ``numa_rank`` 1 the last of the highest NUMA node among
-    them."""
-    W = at_top.shape[1]
-    if numa is not None and numa_rank == 1:
-        # One key per column, NUMA node first: the largest among the tied columns wins.
-        key = numa.astype(np.int32) * W + np.arange(W, dtype=np.int32)
-        best: I64 = np.where(at_top, key, -1).argmax(axis=1)
+def _last(at_top: B, tie_key: npt.NDArray[np.int32] | None, work: Scratch) -> I64:
+    """Per row, the ``at_top`` column with the largest ``tie_key``, or without one the last."""
+    if tie_key is not None:
+        keys = work.get("pick_key", at_top.shape, np.int32)
+        np.multiply(at_top, tie_key, out=keys)
+        best: I64 = keys.argmax(axis=1)
         return best
-    last: I64 = W - 1 - at_top[:, ::-1].argmax(axis=1)
+    last: I64 = at_top.shape[1] - 1 - at_top[:, ::-1].argmax(axis=1)
     return last
 
 
@@ -699,6 +696,7 @@ class _TableRows:
     cores: F64
     type_id: npt.NDArray[np.int32]
     numa: npt.NDArray[np.int16]
+    tie_key: npt.NDArray[np.int32]
     min_cores: float
     lut_off: I64 | None
     lut_stride: I64 | None
@@ -736,6 +734,7 @@ class _TableRows:
             cores=table.cores[sel],
             type_id=table.type_id[sel],
             numa=table.numa[sel],
+            tie_key=table.tie_key[sel],
             min_cores=table.min_cores,
             lut_off=part(table.lut_off),
             lut_stride=part(table.lut_stride),
@@ -1050,7 +1049,9 @@ class _Path:
         avail = fit
         flat_d = desir.ravel()
         for k in range(c.count):
-            first, found = _pick(desir, avail, self.scratch, self.table.numa, self.numa_rank)
+            first, found = _pick(
+                desir, avail, self.scratch, self.table.numa, self.numa_rank, self.table.tie_key
+            )
             found_all &= found
             at = self.ar + first
             pos[:, k] = at
@@ -1339,7 +1340,9 @@ class _Path:
             uc, mask = self._copy(uc, "uc_c"), self._copy(mask, "mask_c")
         for k in range(c.count):
             prof, start, pmem, pcore, fit, desir = ev
-            first, found = _pick(desir, fit, self.scratch, self.table.numa, self.numa_rank)
+            first, found = _pick(
+                desir, fit, self.scratch, self.table.numa, self.numa_rank, self.table.tie_key
+            )
             found_all &= found
             at = self.ar + first
             pos[:, k] = at

@@ -251,9 +251,10 @@ class PodAllocation:
     mig: tuple[MigAllocation, ...]
     cpu_milli: int = 0
     memory_bytes: int = 0
-    # Every device as the pod's device list gives it, with its container entry (MIG devices
-    # included): what HAMi's per-container metrics report. Not part of what the pod holds.
-    listed: tuple[tuple[int, DeviceAlloc], ...] = field(default=(), compare=False)
+    # The pod's hami.io/vgpu-devices-allocated as the API shows it (the string the cache keeps
+    # anyway; "" for a reservation not seen on the pod yet): HAMi's per-container metrics
+    # report each of its devices. Not part of what the pod holds.
+    devices_written: str = field(default="", compare=False)
 
 
 def counts_against_capacity(pod: Mapping[str, Any]) -> bool:
@@ -297,5 +298,5 @@ def parse_allocation(pod: Mapping[str, Any]) -> PodAllocation | None:
             continue  # the API server validated these; a bad one only skips CPU/memory terms
     if not shared and not mig and not cpu_milli and not memory_bytes:
         return None
-    listed = tuple((ci, d) for ci, container in enumerate(devices) for d in container)
-    return PodAllocation(key, node, shared, mig, cpu_milli, memory_bytes, listed)
+    written = annotations.get(ann.DEVICES_ALLOCATED, "")
+    return PodAllocation(key, node, shared, mig, cpu_milli, memory_bytes, written)

@@ -667,6 +667,8 @@ class PathTable:
     cores: npt.NDArray[np.float64]
     type_id: npt.NDArray[np.int32]  # [P, W]
     numa: npt.NDArray[np.int16]  # [P, W] NUMA node, -1 where not ok
+    # [P, W] HAMi's tie order, larger first: NUMA node, then column (GPU index); 0 where not ok
+    tie_key: npt.NDArray[np.int32]
     geoms: tuple[tuple[int, npt.NDArray[np.int64]], ...]  # (geometry, flat positions); MIG only
     min_cores: float  # fewest cores of an ok GPU (inf if none)
     # MIG: the geometries' choice tables (``Geometry.luts``) concatenated after one "nothing
@@ -741,10 +743,19 @@ class PathTable:
             cores=cores,
             type_id=np.where(ok, g.type_id[idx], 0).astype(np.int32),
             numa=np.where(ok, g.numa[idx], -1).astype(np.int16),
+            tie_key=tie_key(ok, g.numa[idx]),
             geoms=geom_pos,
             min_cores=float(cores[ok].min()) if ok.any() else float("inf"),
             **luts,
         )
+
+
+def tie_key(ok: npt.NDArray[np.bool_], numa: npt.NDArray[np.int16]) -> npt.NDArray[np.int32]:
+    """Per table entry, a key whose largest among tied columns is the GPU HAMi takes: the
+    highest NUMA node, then the highest column (columns are in GPU index order)."""
+    w = ok.shape[1]
+    key = np.maximum(numa.astype(np.int32), 0) * w + np.arange(1, w + 1, dtype=np.int32)
+    return np.where(ok, key, 0).astype(np.int32)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from api.errors import InvalidInputError
+from api.hami.devices import decode_devices
 from api.hami.register import GpuDevice
 from api.plugin.v1 import plugin_pb2 as pb
 from scheduler_plugins.core.requests import PodAllocation
@@ -399,7 +400,8 @@ class _ContainerLines:
         e = escape_label_value
         tail = f'namespace="{e(namespace)}",node="{e(alloc.node)}",pod="{e(pod)}",zone="{ZONE}"}} '
         sums: dict[str, list[int]] = {}
-        for ci, d in alloc.listed:
+        containers = decode_devices(alloc.devices_written)  # read once already: it decodes
+        for ci, d in ((ci, d) for ci, devices in enumerate(containers) for d in devices):
             if not d.uuid:
                 continue
             labels = f'container_index="{ci}",device_uuid="{e(d.written_uuid)}",{tail}'
@@ -742,7 +744,7 @@ class StateCollector(Collector):
         before = self._container_lines
         now: dict[str, _ContainerLines] = {}
         for alloc in allocations:
-            if not alloc.listed:
+            if not alloc.devices_written:
                 continue
             kept = before.get(alloc.key)
             if kept is None or kept.alloc is not alloc:

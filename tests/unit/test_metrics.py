@@ -382,8 +382,9 @@ def test_columns_and_samples_give_the_same_series() -> None:
         MIG_NODE_A=(mig_gpu("GPU-xxxxxxxx", "A100-PCIE-40GB"),),
     )
     device = DeviceAlloc("GPU-10", 2500, 30)
+    written = "GPU-10,NVIDIA,2500,30:;"
     state.upsert_pod(
-        PodAllocation("default/a", "node1", (device,), (), listed=((0, device),)), "default/a"
+        PodAllocation("default/a", "node1", (device,), (), devices_written=written), "default/a"
     )
     runtime = RuntimeIdentity("MIG-xxxxxxxx", 4, 0)
     mig = MigAllocation(0, 0, "GPU-xxxxxxxx", "2g.10gb", Placement(2, 2), runtime)
