@@ -51,7 +51,7 @@ def measure(nodes: int, pods: int, new_pods: int, repeat: int) -> dict[str, Any]
             applied.append(dict(pod))
             super().apply_pod(pod)
 
-    cache = Recording(DeviceConfig())
+    cache = Recording(DeviceConfig(), clock=time.monotonic)
     statemem.measure(nodes, pods + new_pods, seed=1, decisions=1, cache=cache)
     # The last new_pods pods are the ones that arrive after the freeze.
     arriving = applied[-new_pods:] if new_pods else []

@@ -115,6 +115,11 @@ def _server(tracing: Tracing) -> Iterator[pb_grpc.SchedulerStub]:
 
 
 class _NoKube:
+    """Nothing to read or write: the benchmark's PreFilter calls never reach the API."""
+
+    def get(self, path: str) -> Any:
+        return {}
+
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
         return {}
 
