@@ -357,7 +357,7 @@ def test_modes_by_containment_and_mps_known_but_not_offered(tmp_path: Path) -> N
     def feasible(mode: str | None) -> set[str]:
         pod = make_pod("p").gpu(1, mem=1000)
         if mode is not None:
-            pod.mode(mode)
+            pod.annotate(ann.VGPU_MODE, mode)
         d = decide(state, parse_request(pod.build(), CFG))
         return {n for i, n in enumerate(d.layout.names) if d.feasible[i]}
 
@@ -368,3 +368,16 @@ def test_modes_by_containment_and_mps_known_but_not_offered(tmp_path: Path) -> N
     d = decide(state, parse_request(make_pod("p").gpu(1, mem=1000).mode("mps").build(), CFG))
     assert d.best_node() is None
     assert "MPS GPU: not offered yet" in explain(d, state)
+
+
+def test_malformed_pair_scores_lose_only_the_scores(tmp_path: Path) -> None:
+    """HAMi drops such a node's whole registration; Tessera keeps its GPUs, warns, and places
+    by the GPU policy's order."""
+    bad = node(NODE, GPUS, **{ann.NODE_PAIR_SCORES: '[{"uuid":"GPU-0","score":{"GPU-1":0.5}}]'})
+    state, warnings = build_cluster([bad], CFG, tmp_path)
+    assert [(w.kind, w.name) for w in warnings] == [("Node", NODE)]
+    assert "node-nvidia-score" in warnings[0].reason
+    pod = make_pod("p").gpu(2, mem=1000).annotate(ann.GPU_POLICY, "topology-aware").build()
+    decision = decide(state, parse_request(pod, CFG))
+    plan = decision.plan_for(NODE)
+    assert plan is not None and len(plan.containers[0]) == 2
