@@ -13,8 +13,15 @@ DEVCLUSTER := $(PYTHON) -m scheduler_plugins.cli cluster
 CLUSTER_NAME ?= tessera
 NODES ?= 0
 PROFILE ?= examples/cluster-profile.yaml
+# What each entry point builds: `hack/build-tools.sh --set demo|test` (the sets are defined
+# there; cached, rebuilt only when inputs change).
+# One set of Go build flags for the tools build and the shim's vet and tests (-trimpath is what
+# hack/build-tools.sh compiles with): the shim's tests then reuse the kube-scheduler packages
+# compiled for tessera-scheduler instead of compiling them all again.
+GO_FLAGS := -trimpath
+JAEGER ?= 0
 
-.PHONY: setup demo simulate test lint typecheck unit go-test integration bench bench-cluster tools cluster-up cluster-down cluster-status
+.PHONY: setup demo up down status simulate test lint typecheck unit go-test integration bench bench-cluster tools tools-demo tools-test cluster-up cluster-down cluster-status
 
 ## setup: Python virtualenv with Tessera and its dev tools (re-run when pyproject.toml changes)
 setup: $(STAMP)
@@ -25,8 +32,21 @@ $(STAMP): pyproject.toml
 	touch $@
 
 ## demo: the main job — local cluster + Tessera scheduling example workloads, printed results
-demo: setup tools
+demo: setup tools-demo
 	$(VENV)/bin/tessera demo
+
+## up: a local cluster with fake GPU nodes and the whole Tessera stack, kept until `make down` (JAEGER=1: with Jaeger)
+up: setup tools-demo
+	$(if $(filter 1,$(JAEGER)),bash hack/build-tools.sh jaeger)
+	$(VENV)/bin/tessera up $(if $(filter 1,$(JAEGER)),--jaeger)
+
+## down: stop everything `make up` started
+down: setup
+	$(VENV)/bin/tessera down
+
+## status: health of each component of `make up`
+status: setup
+	$(VENV)/bin/tessera status
 
 ## simulate: the offline core on the shipped examples (tessera simulate), no cluster needed
 simulate: setup
@@ -48,9 +68,9 @@ unit: setup
 
 ## go-test: vet and unit-test the Go kube-scheduler shim (sidecar-go) against an in-process server
 go-test:
-	cd sidecar-go && GOTOOLCHAIN=local go vet ./... && GOTOOLCHAIN=local go test ./...
+	cd sidecar-go && GOTOOLCHAIN=local go vet $(GO_FLAGS) ./... && GOTOOLCHAIN=local go test $(GO_FLAGS) ./...
 
-integration: setup tools
+integration: setup tools-test
 	$(VENV)/bin/pytest tests/integration tests/e2e
 
 ## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality; GC pause)
@@ -62,15 +82,21 @@ bench: setup
 ## bench-cluster: Tessera vs the stock kube-scheduler on a kwok cluster (BENCH_NODES=1000 BENCH_PODS=10000)
 BENCH_NODES ?= 1000
 BENCH_PODS ?= 10000
-bench-cluster: setup tools
+bench-cluster: setup tools-test
 	$(VENV)/bin/tessera bench --nodes $(BENCH_NODES) --pods $(BENCH_PODS)
 
-## tools: build etcd, kube-apiserver, kube-scheduler, kubectl, kwok, helm, jaeger and tessera-scheduler into $(BIN_DIR) (cached)
+## tools: build every tool (etcd, kube-apiserver, kubectl, kwok, tessera-scheduler, kube-scheduler, helm, jaeger) into $(BIN_DIR) (cached)
 tools:
 	bash hack/build-tools.sh
 
+tools-demo:
+	bash hack/build-tools.sh --set demo
+
+tools-test:
+	bash hack/build-tools.sh --set test
+
 ## cluster-up: start the local dev cluster (NODES=N PROFILE=FILE to add fake GPU nodes)
-cluster-up: setup tools
+cluster-up: setup tools-demo
 	$(DEVCLUSTER) up --name $(CLUSTER_NAME) $(if $(filter-out 0,$(NODES)),--nodes $(NODES) --profile $(PROFILE))
 
 ## cluster-down: stop every process of the dev cluster

@@ -69,15 +69,21 @@ def settings_in(state_dir: Path, name: str) -> ClusterSettings:
     )
 
 
-def build_tools(timeout_s: float = 3600.0) -> Path:
-    """Run ``hack/build-tools.sh`` (seconds when cached, many minutes cold); returns the bin dir.
+def build_tools(timeout_s: float = 3600.0, *, tool_set: str = "test") -> Path:
+    """Run ``hack/build-tools.sh --set TOOL_SET`` (seconds when cached, many minutes cold);
+    returns the bin dir. The ``test`` set has what the tests run (no Jaeger: the tracing test
+    reads spans from its own OTLP receiver, and from Jaeger too where it is built).
 
     Raises ClusterError with the script's stderr tail when it fails or runs too long.
     """
     script = repo_root() / "hack" / "build-tools.sh"
     try:
         proc = subprocess.run(
-            ["bash", str(script)], capture_output=True, text=True, timeout=timeout_s, check=False
+            ["bash", str(script), "--set", tool_set],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
     except subprocess.TimeoutExpired as e:
         raise ClusterError(f"{script} did not finish in {timeout_s:.0f}s: {e}") from e
