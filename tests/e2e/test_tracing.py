@@ -1,14 +1,22 @@
 """End to end: one trace per GPU pod's scheduling attempt, across both Tessera processes.
 
-Starts Jaeger v2 (``hack/jaeger.yaml``: in-memory storage, OTLP/gRPC receiver and query API on
-free loopback ports), a dev cluster whose ``tessera-scheduler`` and plugin server export to it
-(OTEL_* variables through ``start_stack(tracing_env=...)``), schedules a GPU pod and reads its
-trace back from Jaeger's HTTP API: the shim's root span with its PreFilter/Reserve client
-spans, each the parent of the plugin server's span for that RPC, which holds the server's own
-work (decide, reserve), and its tessera.Bind span (the Binding write; no PreBind: nothing on
-the node makes the pod wait, so Reserve hands the annotations over); the plugin server's
-JSON log line of the reservation names that trace. Skipped only when the ``jaeger`` binary is
-not built. Typically 35-50 s on a 2-core machine (the cluster's start is most of it).
+Runs once per trace store, each with its own dev cluster whose ``tessera-scheduler`` and plugin
+server export OTLP/gRPC to that store (OTEL_* variables through ``start_stack(tracing_env=...)``):
+
+- ``otlp``: the tests' in-process OTLP receiver (``tests/otlp_sink.py``); needs no binary, so
+  it runs wherever the cluster runs;
+- ``jaeger``: Jaeger v2 (``hack/jaeger.yaml``: in-memory storage, OTLP/gRPC receiver and query
+  API on free loopback ports), read back through its HTTP API; runs where
+  ``hack/build-tools.sh jaeger`` built it (the ``test`` tool set has no Jaeger: it takes most of
+  half an hour to compile), skipped otherwise.
+
+Each schedules a GPU pod and checks its trace, equally strictly for both stores: the shim's
+root span with its PreFilter/Reserve client spans, each the parent of the plugin server's span
+for that RPC, which holds the server's own work (decide, reserve), and its tessera.Bind span
+(the Binding write; no PreBind: nothing on the node makes the pod wait, so Reserve hands the
+annotations over); both services exported; the plugin server's JSON log line of the
+reservation names that trace. Typically 35-50 s a store on a 2-core machine (the cluster's
+start is most of it).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import pytest
 
@@ -34,6 +42,7 @@ from scheduler_plugins.devtools.cluster.nodes import add_nodes, load_profile, wa
 from scheduler_plugins.devtools.cluster.stack import PLUGIN_SERVER, STACK, start_stack
 from scheduler_plugins.devtools.cluster.testing import free_ports, settings_in
 from tests.e2e.harness import GPU, GPUMEM, HERE, E2ECluster, pod_manifest
+from tests.otlp_sink import OtlpSink
 from tests.waiting import eventually
 
 SCHEDULER_SERVICE: Final = "tessera-scheduler"
@@ -48,6 +57,60 @@ CALLS: Final = {
 }
 NODES: Final = 2
 TRACE_WAIT_S: Final = 30.0
+POD: Final = "traced"
+
+
+# Trace stores -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    span_id: str
+    parent_id: str
+    name: str
+    service: str
+    tags: Mapping[str, Any]
+
+
+class TraceStore(Protocol):
+    """Where the cluster's processes export spans, and how the test reads them back."""
+
+    @property
+    def otlp_endpoint(self) -> str:
+        """For ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``http://``: OTLP/gRPC without TLS)."""
+        ...
+
+    def traces(self, service: str, tags: Mapping[str, str]) -> dict[str, dict[str, Span]]:
+        """Each trace holding a span of ``service`` with all of ``tags``: its spans by id, by
+        trace id (hex)."""
+        ...
+
+    def services(self) -> set[str]:
+        """Every service that exported a span."""
+        ...
+
+
+@dataclass(frozen=True)
+class SinkStore:
+    """The tests' own OTLP receiver."""
+
+    sink: OtlpSink
+
+    @property
+    def otlp_endpoint(self) -> str:
+        return self.sink.endpoint
+
+    def traces(self, service: str, tags: Mapping[str, str]) -> dict[str, dict[str, Span]]:
+        return {
+            trace_id: {
+                s.span_id: Span(s.span_id, s.parent_span_id, s.name, s.service, s.attributes)
+                for s in spans
+            }
+            for trace_id, spans in self.sink.traces(service, tags).items()
+        }
+
+    def services(self) -> set[str]:
+        return self.sink.services()
 
 
 @dataclass(frozen=True)
@@ -60,6 +123,19 @@ class Jaeger:
         url = f"{self.query_url}{path}?{urllib.parse.urlencode(query)}"
         with urllib.request.urlopen(url, timeout=5) as r:
             return json.load(r)
+
+    def traces(self, service: str, tags: Mapping[str, str]) -> dict[str, dict[str, Span]]:
+        answer = self.get(
+            "/api/traces",
+            service=service,
+            tags=json.dumps(dict(tags)),
+            limit="20",
+            lookback="1h",
+        )
+        return {str(t["traceID"]): spans_of(t) for t in answer.get("data") or []}
+
+    def services(self) -> set[str]:
+        return set(self.get("/api/services")["data"] or [])
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +180,28 @@ def jaeger(built_tools: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             proc.wait(10)
 
 
+@pytest.fixture(scope="module", params=["otlp", "jaeger"])
+def trace_store(request: pytest.FixtureRequest) -> Iterator[TraceStore]:
+    """Each store in turn; pytest tears one store's cluster down before the next one starts."""
+    if request.param == "jaeger":
+        # The jaeger fixture skips this variant where the binary is not built.
+        jaeger_store: Jaeger = request.getfixturevalue("jaeger")
+        yield jaeger_store
+        return
+    with OtlpSink() as sink:
+        yield SinkStore(sink)
+
+
 @pytest.fixture(scope="module")
 def traced_cluster(
-    jaeger: Jaeger, tmp_path_factory: pytest.TempPathFactory
+    built_tools: Path, trace_store: TraceStore, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[E2ECluster]:
-    """A dev cluster whose scheduler and plugin server export every span to ``jaeger``."""
+    """A dev cluster whose scheduler and plugin server export every span to ``trace_store``."""
     settings = settings_in(tmp_path_factory.mktemp("e2e-tracing"), "e2e-tracing")
     cluster = Cluster(settings)
     tracing_env = {
         "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_endpoint,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": trace_store.otlp_endpoint,
         "OTEL_TRACES_SAMPLER": "always_on",
         # Export within 0.2 s of a span's end (default 5 s) so the test reads traces sooner.
         "OTEL_BSP_SCHEDULE_DELAY": "200",
@@ -135,16 +223,7 @@ def traced_cluster(
         assert not left, f"left running after down: {left}"
 
 
-# Reading Jaeger's answer ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Span:
-    span_id: str
-    parent_id: str
-    name: str
-    service: str
-    tags: Mapping[str, Any]
+# Reading a trace --------------------------------------------------------------------------------
 
 
 def spans_of(trace: Mapping[str, Any]) -> dict[str, Span]:
@@ -221,28 +300,21 @@ def problems(spans: Mapping[str, Span], pod: str) -> list[str]:
 
 
 def test_one_trace_spans_scheduler_and_plugin_server(
-    traced_cluster: E2ECluster, jaeger: Jaeger
+    traced_cluster: E2ECluster, trace_store: TraceStore
 ) -> None:
     t0 = time.monotonic()
-    traced_cluster.create(pod_manifest("traced", {GPU: 1, GPUMEM: 2000}))
-    bound = traced_cluster.wait_bound("traced", timeout_s=60)
+    traced_cluster.create(pod_manifest(POD, {GPU: 1, GPUMEM: 2000}))
+    bound = traced_cluster.wait_bound(POD, timeout_s=60)
     assert bound["spec"]["nodeName"]
-    last: list[str] = ["no trace of the pod yet"]
+    last: list[str] = [f"no trace of the pod yet; services seen: {sorted(trace_store.services())}"]
 
     def whole_trace() -> tuple[str, str] | None:
-        answer = jaeger.get(
-            "/api/traces",
-            service=SCHEDULER_SERVICE,
-            tags=json.dumps({"k8s.pod.name": "traced"}),
-            limit="20",
-            lookback="1h",
-        )
-        for trace in answer.get("data") or []:
-            spans = spans_of(trace)
-            missing = problems(spans, "traced")
+        traces = trace_store.traces(SCHEDULER_SERVICE, {"k8s.pod.name": POD})
+        for trace_id, spans in traces.items():
+            missing = problems(spans, POD)
             if not missing:
-                return str(trace["traceID"]), render(spans)
-            last[:] = [*missing, render(spans)]
+                return trace_id, render(spans)
+            last[:] = [f"trace {trace_id}:", *missing, render(spans)]
         return None
 
     try:
@@ -251,16 +323,16 @@ def test_one_trace_spans_scheduler_and_plugin_server(
         )
     except AssertionError:
         pytest.fail(
-            "no trace of pod traced holds both services' spans as expected:\n" + "\n".join(last)
+            f"no trace of pod {POD} holds both services' spans as expected:\n" + "\n".join(last)
         )
     print(f"\nspan tree ({time.monotonic() - t0:.1f}s from pod creation):\n{tree}")
-    services = {s for s in jaeger.get("/api/services")["data"]}
+    services = trace_store.services()
     assert {SCHEDULER_SERVICE, SERVER_SERVICE} <= services, services
     # The plugin server's JSON log line of the reservation names the same trace.
     log = traced_cluster.settings.log_file(PLUGIN_SERVER)
     lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     reserved = [
-        x for x in lines if x.get("event") == "reserved" and x.get("pod") == "default/traced"
+        x for x in lines if x.get("event") == "reserved" and x.get("pod") == f"default/{POD}"
     ]
     seen = [(x["node"], x.get("trace_id")) for x in reserved]
     assert (bound["spec"]["nodeName"], trace_id) in seen, seen
