@@ -77,12 +77,14 @@ def _add_optional_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     from scheduler_plugins.devtools.check import add_check_command
     from scheduler_plugins.devtools.cluster.cli import add_cluster_commands
     from scheduler_plugins.devtools.cluster.demo import add_demo_command
+    from scheduler_plugins.devtools.cluster.local import add_local_commands
     from scheduler_plugins.logs import add_logging_flags
     from scheduler_plugins.server.cli import add_plugin_server_commands
     from scheduler_plugins.webhook.cli import add_webhook_commands
 
     add_cluster_commands(sub)
     add_demo_command(sub)
+    add_local_commands(sub)
     add_node_agent_commands(sub, logging_flags=add_logging_flags)
     add_plugin_server_commands(sub)
     add_check_command(sub)

@@ -6,8 +6,8 @@ import threading
 import time
 
 from scheduler_plugins.devtools.bench.batches import LOOK_INTERVAL_S, Batch, wait_batch
-from scheduler_plugins.devtools.bench.progress import Progress
 from scheduler_plugins.devtools.bench.workload import BenchPod, PodKind
+from scheduler_plugins.devtools.progress import Progress
 
 BIND_EVERY_S = LOOK_INTERVAL_S / 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from scheduler_plugins.devtools.bench.progress import Progress, render
+from scheduler_plugins.devtools.progress import Progress, render
 
 
 def test_render() -> None:

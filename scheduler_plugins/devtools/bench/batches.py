@@ -20,9 +20,9 @@ import structlog
 from api.kube.errors import ConflictError, KubeError
 from scheduler_plugins.devtools.bench import stats
 from scheduler_plugins.devtools.bench.errors import BenchError
-from scheduler_plugins.devtools.bench.progress import Progress
 from scheduler_plugins.devtools.bench.watcher import PodTimes
 from scheduler_plugins.devtools.bench.workload import BenchPod, kind_counts
+from scheduler_plugins.devtools.progress import Progress
 
 log = structlog.get_logger(__name__)
 

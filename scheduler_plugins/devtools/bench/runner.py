@@ -48,7 +48,6 @@ from scheduler_plugins.devtools.bench.cluster import (
     scheduler_for,
 )
 from scheduler_plugins.devtools.bench.errors import BenchError
-from scheduler_plugins.devtools.bench.progress import Progress
 from scheduler_plugins.devtools.bench.sampling import Sampler
 from scheduler_plugins.devtools.bench.scenarios import (
     Ended,
@@ -66,6 +65,7 @@ from scheduler_plugins.devtools.cluster.layout import ClusterSettings
 from scheduler_plugins.devtools.cluster.nodes import NodeProfile, add_nodes, wait_ready
 from scheduler_plugins.devtools.cluster.stack import StackPaths
 from scheduler_plugins.devtools.cluster.testing import settings_in
+from scheduler_plugins.devtools.progress import Progress
 
 log = structlog.get_logger(__name__)
 

@@ -136,8 +136,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print(f"cluster {info.name} is up in {time.monotonic() - t0:.1f}s: {info.server}")
     if args.nodes:
         with info.api() as api:
-            names = add_nodes(api, profile, args.nodes)
-            waited = wait_ready(api, names)
+            names = add_nodes(api, profile, args.nodes, progress=True)
+            waited = wait_ready(api, names, progress=True)
         print(f"added {len(names)} nodes, Ready after {waited:.1f}s")
     print(f"kubeconfig: {info.kubeconfig}")
     print(f"  export KUBECONFIG={info.kubeconfig}; {settings.binary('kubectl')} get nodes")
@@ -173,13 +173,18 @@ def _cmd_add_nodes(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     with info.api() as api:
         names = add_nodes(
-            api, profile, args.count, start_index=args.start_index, workers=args.workers
+            api,
+            profile,
+            args.count,
+            start_index=args.start_index,
+            workers=args.workers,
+            progress=True,
         )
         created = time.monotonic() - t0
         if args.no_wait:
             print(f"created {len(names)} nodes in {created:.1f}s")
             return 0
-        waited = wait_ready(api, names, timeout_s=args.timeout)
+        waited = wait_ready(api, names, timeout_s=args.timeout, progress=True)
     print(f"created {len(names)} nodes in {created:.1f}s; all Ready {waited:.1f}s later")
     return 0
 

@@ -35,6 +35,7 @@ from api.hami.config import DeviceConfig, load_config_file
 from api.hami.keys import GPU_MODES, NODE_REGISTER, GpuMode
 from scheduler_plugins.devtools.cluster.errors import ClusterError, ProfileError
 from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
+from scheduler_plugins.devtools.progress import Progress
 
 log = structlog.get_logger(__name__)
 
@@ -277,15 +278,22 @@ def add_nodes(
     *,
     start_index: int | None = None,
     workers: int = DEFAULT_WORKERS,
+    progress: bool = False,
 ) -> list[str]:
-    """Create ``count`` fake GPU nodes in parallel; returns their names."""
+    """Create ``count`` fake GPU nodes in parallel; returns their names. ``progress``: a
+    progress bar on stderr (command lines; hundreds of nodes take a while)."""
     start = next_index(api, profile.name_prefix) if start_index is None else start_index
     planned = plan(profile, count, start)
     now = time.time()
     objects = [node_object(name, group, profile.device_config, now=now) for name, group in planned]
     t0 = time.monotonic()
+    bar = Progress("creating nodes", len(objects), enabled=progress)
+    names: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(objects) or 1))) as pool:
-        names = list(pool.map(lambda obj: _create_node(api, obj), objects))
+        for name in pool.map(lambda obj: _create_node(api, obj), objects):
+            names.append(name)
+            bar.update(len(names))
+    bar.close(len(names))
     log.info(
         "nodes.created",
         count=len(names),
@@ -306,16 +314,21 @@ def _create_node(api: KubeApi, obj: dict[str, Any]) -> str:
     return name
 
 
-def wait_ready(api: KubeApi, names: Sequence[str], *, timeout_s: float = 300.0) -> float:
-    """Wait until kwok has marked every named node Ready; returns the seconds waited."""
+def wait_ready(
+    api: KubeApi, names: Sequence[str], *, timeout_s: float = 300.0, progress: bool = False
+) -> float:
+    """Wait until kwok has marked every named node Ready; returns the seconds waited.
+    ``progress``: a progress bar on stderr."""
     t0 = time.monotonic()
     pending = set(names)
+    bar = Progress("nodes Ready", len(pending), enabled=progress)
     while pending:
         rows = api.table(
             "/api/v1/nodes", query={"labelSelector": f"{KWOK_LABEL[0]}={KWOK_LABEL[1]}"}
         )
         # The Status cell is what `kubectl get nodes` shows: "Ready", "NotReady", "Ready,…".
         pending -= {r["Name"] for r in rows if r.get("Status", "").split(",")[0] == "Ready"}
+        bar.update(len(names) - len(pending))
         if not pending:
             break
         if time.monotonic() - t0 > timeout_s:
@@ -325,6 +338,7 @@ def wait_ready(api: KubeApi, names: Sequence[str], *, timeout_s: float = 300.0) 
                 f"(e.g. {sample}); is kwok running? see `tessera cluster status` and the kwok log"
             )
         time.sleep(0.5)
+    bar.close(len(names))
     return time.monotonic() - t0
 
 

@@ -8,6 +8,7 @@ plugin server over a Unix socket in the cluster's run dir.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -24,6 +25,7 @@ import yaml
 from api.plugin.v1 import plugin_pb2, plugin_pb2_grpc
 from scheduler_plugins.devtools.cluster import processes
 from scheduler_plugins.devtools.cluster.errors import ClusterError
+from scheduler_plugins.devtools.cluster.jaeger import JAEGER, stop_jaeger
 from scheduler_plugins.devtools.cluster.layout import LOOPBACK, ClusterSettings, repo_root
 from scheduler_plugins.devtools.cluster.webhook import WEBHOOK, start_webhook, stop_webhook
 
@@ -66,7 +68,13 @@ def metrics_address(s: ClusterSettings) -> str:
 
 def _record_metrics_address(path: Path) -> str:
     """A free loopback port, recorded at ``path`` (several dev clusters run side by side, so
-    not HAMi's 9395; a restarted plugin server keeps it)."""
+    not HAMi's 9395; a restarted plugin server keeps it, and so does a restarted stack while
+    the port is still free: the URL `tessera up` printed stays true)."""
+    with contextlib.suppress(OSError, ValueError):
+        host, _, port = path.read_text().strip().rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, int(port)))
+        return f"{host}:{port}"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         address = f"{LOOPBACK}:{sock.getsockname()[1]}"
@@ -224,11 +232,21 @@ def _probe(s: ClusterSettings, paths: StackPaths, component: str) -> Callable[[]
 
 
 def stop_stack(s: ClusterSettings) -> list[str]:
+    """Stop the webhook, the three processes and Jaeger (whichever run); what was stopped."""
     stopped: list[str] = [WEBHOOK] if stop_webhook(s) else []
     for component in reversed(STACK):
         if processes.stop(s.pid_file(component)) is not None:
             stopped.append(component)
+    if stop_jaeger(s):
+        stopped.append(JAEGER)
     return stopped
+
+
+def probe(s: ClusterSettings, component: str) -> str | None:
+    """None when a running stack component is healthy; else why not (``tessera status``)."""
+    if component not in STACK:
+        raise ClusterError(f"unknown stack component {component!r}; one of {', '.join(STACK)}")
+    return _probe(s, StackPaths.of(s), component)()
 
 
 def _write_scheduler_config(

@@ -131,6 +131,12 @@ def stop_webhook(s: ClusterSettings) -> bool:
     return processes.stop(s.pid_file(WEBHOOK)) is not None
 
 
+def probe_webhook(s: ClusterSettings) -> str | None:
+    """None when the running webhook answers /readyz; else why not (``tessera status``)."""
+    paths = WebhookPaths.of(s)
+    return _probe_ready(paths.address_file, paths.cert_dir / "ca.crt")
+
+
 def _probe_ready(address_file: Path, ca_file: Path) -> str | None:
     try:
         host, _, port = address_file.read_text().strip().rpartition(":")
@@ -195,4 +201,4 @@ def _wait_effective(
     )
 
 
-__all__ = ["WEBHOOK", "WebhookPaths", "start_webhook", "stop_webhook"]
+__all__ = ["WEBHOOK", "WebhookPaths", "probe_webhook", "start_webhook", "stop_webhook"]
