@@ -1,29 +1,41 @@
 """The one Kubernetes API client: raw JSON over HTTPS, no model deserialization.
 
-Owns the wire: bearer-token or client-cert auth, CA-verified TLS, error mapping to
-``api.kube.errors``, list with field/label selectors, watch streams and
-merge patches with an optional resourceVersion precondition. Thread-safe: one keep-alive
-connection per thread for ordinary calls, one dedicated connection per watch.
+Owns the wire and where its credentials come from. Credentials are what kubectl would use:
+a kubeconfig's current context or the pod's service account, read by the official
+``kubernetes`` package's loaders (tokens, tokenFile, client certificates as files or inline
+data, exec plugins, auth providers). KubeClient keeps only what they yield: the server URL,
+one TLS context (CA, client certificate, insecure flag) and the Authorization header, which
+it re-checks at most every ``REFRESH_S`` (an exec plugin runs again only near its token's
+expiry; a service-account token file is re-read) and reloads once when the apiserver
+answers 401. Loader failures, including the ones the loaders only log (an exec plugin's
+error output), become ``KubeConfigError`` naming the kubeconfig, context and user.
+
+The wire: CA-verified TLS, error mapping to ``api.kube.errors``, list with field/label
+selectors, watch streams and merge patches with an optional resourceVersion precondition.
+Thread-safe: keep-alive connections shared by all threads for ordinary calls, one dedicated
+connection per watch.
 """
 
 from __future__ import annotations
 
-import base64
 import builtins
 import contextlib
 import copy
 import http.client
 import json
+import logging
 import os
 import socket
 import ssl
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlencode, urlsplit
 
 import orjson
+import structlog
 import yaml
 
 from api.kube.errors import (
@@ -45,6 +57,11 @@ FIELD_MANAGER: Final = "tessera"
 MAX_IDLE_CONNECTIONS: Final = 64  # kept open between requests, shared by all threads
 
 SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# How stale a loaded Authorization header may get before the loader is asked again (cheap:
+# an exec plugin runs again only near its token's expiry).
+REFRESH_S: Final = 30.0
+
+log = structlog.get_logger("tessera.kube.client")
 
 _ERRORS: Final[Mapping[int, type[ApiError]]] = {
     404: NotFoundError,
@@ -54,6 +71,8 @@ _ERRORS: Final[Mapping[int, type[ApiError]]] = {
 }
 
 Obj = dict[str, Any]
+Clock = Callable[[], float]
+Renewal = Callable[[], str | None]  # loads again; the Authorization header it yields
 
 
 def _error_for(method: str, path: str, status: int, text: str) -> ApiError:
@@ -65,6 +84,67 @@ def _error_for(method: str, path: str, status: int, text: str) -> ApiError:
         pass
     cls = _ERRORS.get(status) or (ServerError if status >= 500 else ApiError)
     return cls(method, path, status, reason, message)
+
+
+class Credentials:
+    """A client's Authorization header and how it is kept current.
+
+    ``renew`` (the loader's own check: cheap unless the token is near expiry) runs at most
+    every ``refresh_s`` of ``clock``; ``reload`` (loading from scratch: an exec plugin runs
+    again, a token file is read again) runs when the apiserver refused the header. Without
+    them the header is static. A failed renewal keeps the old header and logs why: the
+    apiserver's answer to it then tells the caller.
+    """
+
+    def __init__(
+        self,
+        header: str | None,
+        *,
+        renew: Renewal | None = None,
+        reload: Renewal | None = None,
+        refresh_s: float = REFRESH_S,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._header = header
+        self._renew = renew
+        self._reload = reload
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._due = clock() + refresh_s
+        self._lock = threading.Lock()  # one renewal at a time: the loaders are not thread-safe
+
+    @classmethod
+    def static(cls, token: str | None) -> Credentials:
+        return cls(f"Bearer {token}" if token else None)
+
+    def header(self) -> str | None:
+        """The header for a request about to be sent; renewed first when due."""
+        # Every request comes here: one clock read, no lock, no loader until due.
+        if self._renew is None or self._clock() < self._due:
+            return self._header
+        with self._lock:
+            if self._clock() >= self._due:  # no other thread renewed it while we waited
+                self._header = self._attempt(self._renew)
+                self._due = self._clock() + self._refresh_s
+            return self._header
+
+    def unauthorized(self, used: str | None) -> bool:
+        """The apiserver answered 401 to ``used``: reload; whether one retry may help."""
+        if self._reload is None:
+            return False
+        with self._lock:
+            # Requests refused together reload once: the later ones find a new header.
+            if self._header == used:
+                self._header = self._attempt(self._reload)
+                self._due = self._clock() + self._refresh_s
+        return True
+
+    def _attempt(self, renewal: Renewal) -> str | None:
+        try:
+            return renewal() or self._header
+        except KubeConfigError as e:
+            log.warning("kube.credentials_not_renewed", error=str(e))
+            return self._header
 
 
 class KubeClient:
@@ -80,14 +160,12 @@ class KubeClient:
         client_cert: tuple[Path, Path] | None = None,
         insecure: bool = False,
         timeout_s: float = 30.0,
+        credentials: Credentials | None = None,
     ) -> None:
-        url = urlsplit(server)
-        if url.scheme != "https" or not url.hostname:
-            raise KubeConfigError(f"apiserver URL must be https://HOST:PORT, got {server!r}")
+        """``token``: a static one; ``credentials`` (from the loaders) replace it."""
         self.server = server
-        self._host = url.hostname
-        self._port = url.port or 443
-        self._token = token
+        self._host, self._port = _https_host_port(server)
+        self._auth = credentials if credentials is not None else Credentials.static(token)
         self._timeout_s = timeout_s
         try:
             if insecure:
@@ -112,50 +190,52 @@ class KubeClient:
     # Construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_kubeconfig(cls, path: Path, *, timeout_s: float = 30.0) -> KubeClient:
-        """From a kubeconfig's current context (token or client cert; CA file or data)."""
+    def from_kubeconfig(
+        cls,
+        path: Path,
+        *,
+        timeout_s: float = 30.0,
+        refresh_s: float = REFRESH_S,
+        clock: Clock = time.monotonic,
+    ) -> KubeClient:
+        """From a kubeconfig's current context, with the credentials kubectl would use there."""
+        from kubernetes.client import Configuration
+        from kubernetes.config.kube_config import KubeConfigLoader
+
+        doc = _kubeconfig_doc(path)
+        context, user = _context_and_user(doc)
+        where = f"kubeconfig {path} (context {context!r}, user {user!r})"
+        config = Configuration()
+        with _loading(where) as logged:
+            # Paths in it (tokenFile, certificates, an exec command) are relative to the
+            # kubeconfig, as for kubectl.
+            loader = KubeConfigLoader(doc, config_base_path=str(path.absolute().parent))
+            loader.load_and_set(config)
+        server = str(getattr(loader, "host", ""))  # unset when the cluster names no server
         try:
-            cfg = yaml.safe_load(path.read_text())
-            ctx_name = cfg["current-context"]
-            ctx = next(c["context"] for c in cfg["contexts"] if c["name"] == ctx_name)
-            cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == ctx["cluster"])
-            user = next(u["user"] for u in cfg["users"] if u["name"] == ctx["user"]) or {}
-        except (OSError, yaml.YAMLError, KeyError, TypeError, StopIteration) as e:
+            _https_host_port(server)
+        except KubeConfigError as e:
+            raise KubeConfigError(f"{where}: {e}") from e
+        header = _header_of(config)
+        if header is None and not config.cert_file:
             raise KubeConfigError(
-                f"cannot use kubeconfig {path} ({e!r}): it needs current-context, and that "
-                "context's cluster and user entries"
-            ) from e
-
-        def rel(p: str) -> Path:
-            q = Path(p)
-            return q if q.is_absolute() else path.parent / q
-
-        ca_file = None
-        if "certificate-authority" in cluster:
-            ca_file = rel(cluster["certificate-authority"])
-        ca_data = None
-        if "certificate-authority-data" in cluster:
-            ca_data = base64.b64decode(cluster["certificate-authority-data"]).decode()
-        token = user.get("token")
-        if token is None and "tokenFile" in user:
-            token = _read(rel(user["tokenFile"]), "tokenFile").strip()
-        cert = None
-        if "client-certificate" in user and "client-key" in user:
-            cert = (rel(user["client-certificate"]), rel(user["client-key"]))
-        if token is None and cert is None:
-            raise KubeConfigError(
-                f"kubeconfig {path}: user {ctx['user']!r} has neither a token nor a client "
-                "certificate file (exec plugins and inline certificate data are not supported)"
+                f"{where}: user {user!r} has neither a token nor a client certificate"
+                + _logged_cause(logged)
             )
-        return cls(
-            str(cluster.get("server", "")),
-            token,
-            ca_file,
-            ca_data=ca_data,
-            client_cert=cert,
-            insecure=bool(cluster.get("insecure-skip-tls-verify", False)),
-            timeout_s=timeout_s,
-        )
+        if logged:
+            log.warning("kube.kubeconfig_loader_warned", where=where, messages=logged)
+        # A client certificate only: nothing to renew (one an exec plugin printed is used
+        # until the process restarts: the TLS context is made once).
+        credentials = Credentials(header)
+        if header is not None:
+            credentials = Credentials(
+                header,
+                renew=_renewal(where, lambda: _run_refresh_hook(config), config),
+                reload=_renewal(where, lambda: loader.load_and_set(config), config),
+                refresh_s=refresh_s,
+                clock=clock,
+            )
+        return cls._configured(server, config, credentials, where, timeout_s)
 
     @classmethod
     def in_cluster(
@@ -164,19 +244,64 @@ class KubeClient:
         *,
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         timeout_s: float = 30.0,
+        refresh_s: float = REFRESH_S,
+        clock: Clock = time.monotonic,
     ) -> KubeClient:
-        """From the pod's service account (KUBERNETES_SERVICE_HOST/PORT + mounted token, CA)."""
+        """From the pod's service account (KUBERNETES_SERVICE_HOST/PORT + mounted token, CA).
+
+        The token file is read again every ``refresh_s``: the kubelet rotates projected tokens.
+        """
+        from kubernetes.client import Configuration
+        from kubernetes.config.incluster_config import InClusterConfigLoader
+
         env = os.environ if env is None else env
         host = env.get("KUBERNETES_SERVICE_HOST", "")
-        port = env.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
             raise KubeConfigError(
                 "not running in a cluster: KUBERNETES_SERVICE_HOST is unset (pass --kubeconfig)"
             )
-        if ":" in host:  # IPv6 literal
-            host = f"[{host}]"
-        token = _read(sa_dir / "token", "service account token").strip()
-        return cls(f"https://{host}:{port}", token, sa_dir / "ca.crt", timeout_s=timeout_s)
+        where = f"service account token and CA in {sa_dir}"
+        loader = InClusterConfigLoader(
+            token_filename=str(sa_dir / "token"),
+            cert_filename=str(sa_dir / "ca.crt"),
+            # Its hook re-reads the token by the wall clock once a minute; reloading on
+            # Credentials' schedule instead is one small file read, and keeps one clock.
+            try_refresh_token=False,
+            environ={
+                "KUBERNETES_SERVICE_HOST": host,
+                "KUBERNETES_SERVICE_PORT": env.get("KUBERNETES_SERVICE_PORT") or "443",
+            },
+        )
+        config = Configuration()
+        with _loading(where):
+            loader.load_and_set(config)
+        reload = _renewal(where, lambda: loader.load_and_set(config), config)
+        credentials = Credentials(
+            _header_of(config), renew=reload, reload=reload, refresh_s=refresh_s, clock=clock
+        )
+        return cls._configured(str(config.host), config, credentials, where, timeout_s)
+
+    @classmethod
+    def _configured(
+        cls, server: str, config: Any, credentials: Credentials, where: str, timeout_s: float
+    ) -> KubeClient:
+        """A client with the TLS material a loaded ``kubernetes.client.Configuration`` names
+        (inline data the loader wrote to temp files)."""
+        cert = None
+        if config.cert_file and config.key_file:
+            cert = (Path(config.cert_file), Path(config.key_file))
+        try:
+            return cls(
+                server,
+                None,
+                Path(config.ssl_ca_cert) if config.ssl_ca_cert else None,
+                client_cert=cert,
+                insecure=not config.verify_ssl,
+                timeout_s=timeout_s,
+                credentials=credentials,
+            )
+        except KubeConfigError as e:
+            raise KubeConfigError(f"{where}: {e}") from e
 
     # Calls ---------------------------------------------------------------------------------
 
@@ -197,7 +322,7 @@ class KubeClient:
         if body is not None:
             payload = json.dumps(body, separators=(",", ":")).encode()
             headers["Content-Type"] = content_type
-        status, data = self._send(method, full, payload, headers)
+        status, data = self._send_authorized(method, full, payload, headers)
         if status >= 400:
             raise _error_for(method, path, status, data.decode(errors="replace"))
         if not data:
@@ -308,16 +433,12 @@ class KubeClient:
         if bookmarks:
             query["allowWatchBookmarks"] = "true"
         full = f"{path}?{urlencode(query)}"
-        # Socket timeout above the server's own so the server ends the stream first.
-        conn = http.client.HTTPSConnection(
-            self._host, self._port, timeout=timeout_s + 15, context=self._ssl
-        )
-        try:
-            conn.request("GET", full, headers=self._headers(JSON))
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
+        headers = self._headers(JSON)
+        conn, resp = self._open_watch(path, full, headers, timeout_s)
+        if resp.status == 401 and self._auth.unauthorized(headers.get("Authorization")):
+            resp.read()
             conn.close()
-            raise UnreachableError(f"GET {self.server}{path} (watch) failed: {e!r}") from e
+            conn, resp = self._open_watch(path, full, self._reauthorized(headers), timeout_s)
         if resp.status >= 400:
             text = resp.read().decode(errors="replace")
             conn.close()
@@ -326,7 +447,7 @@ class KubeClient:
 
     def probe(self, path: str) -> tuple[int, str]:
         """(status, body) of a GET, for health endpoints; never raises on HTTP errors."""
-        status, data = self._send("GET", path, None, self._headers(None), retry=False)
+        status, data = self._send_authorized("GET", path, None, self._headers(None), retry=False)
         return status, data.decode(errors="replace")
 
     def close(self) -> None:
@@ -345,11 +466,51 @@ class KubeClient:
 
     def _headers(self, accept: str | None) -> dict[str, str]:
         headers: dict[str, str] = {}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        authorization = self._auth.header()
+        if authorization:
+            headers["Authorization"] = authorization
         if accept:
             headers["Accept"] = accept
         return headers
+
+    def _reauthorized(self, headers: Mapping[str, str]) -> dict[str, str]:
+        """``headers`` with the current Authorization (after a reload)."""
+        fresh = {k: v for k, v in headers.items() if k != "Authorization"}
+        authorization = self._auth.header()
+        if authorization:
+            fresh["Authorization"] = authorization
+        return fresh
+
+    def _open_watch(
+        self, path: str, full: str, headers: Mapping[str, str], timeout_s: int
+    ) -> tuple[http.client.HTTPSConnection, http.client.HTTPResponse]:
+        # Socket timeout above the server's own so the server ends the stream first.
+        conn = http.client.HTTPSConnection(
+            self._host, self._port, timeout=timeout_s + 15, context=self._ssl
+        )
+        try:
+            conn.request("GET", full, headers=dict(headers))
+            return conn, conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise UnreachableError(f"GET {self.server}{path} (watch) failed: {e!r}") from e
+
+    def _send_authorized(
+        self,
+        method: str,
+        path: str,
+        payload: bytes | None,
+        headers: dict[str, str],
+        *,
+        retry: bool = True,
+    ) -> tuple[int, bytes]:
+        """``_send``, once more after reloading the credentials when the apiserver answers
+        401 (a token expired early or was revoked, a token file rotated)."""
+        status, data = self._send(method, path, payload, headers, retry=retry)
+        if status == 401 and self._auth.unauthorized(headers.get("Authorization")):
+            headers = self._reauthorized(headers)
+            status, data = self._send(method, path, payload, headers, retry=retry)
+        return status, data
 
     def _checkout(self, *, fresh: bool = False) -> http.client.HTTPSConnection:
         """An idle keep-alive connection, or (none idle, or ``fresh``) a new one."""
@@ -501,3 +662,126 @@ def _read(path: Path, what: str) -> str:
         return path.read_text()
     except OSError as e:
         raise KubeConfigError(f"cannot read {what} {path}: {e.strerror}") from e
+
+
+def _https_host_port(server: str) -> tuple[str, int]:
+    url = urlsplit(server)
+    if url.scheme != "https" or not url.hostname:
+        raise KubeConfigError(f"apiserver URL must be https://HOST:PORT, got {server!r}")
+    return url.hostname, url.port or 443
+
+
+# Loading credentials with the kubernetes package -------------------------------------------
+
+
+def _kubeconfig_doc(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(_read(path, "kubeconfig"))
+    except yaml.YAMLError as e:
+        raise KubeConfigError(f"kubeconfig {path} is not YAML: {e}") from e
+    if not isinstance(doc, dict):
+        raise KubeConfigError(
+            f"kubeconfig {path} is not a mapping of current-context, contexts, clusters, users"
+        )
+    return doc
+
+
+def _context_and_user(doc: Mapping[str, Any]) -> tuple[str, str]:
+    """Names of the current context and its user, best effort: for messages only."""
+    context = str(doc.get("current-context") or "")
+    for entry in doc.get("contexts") or []:
+        if isinstance(entry, dict) and entry.get("name") == context:
+            body = entry.get("context")
+            if isinstance(body, dict):
+                return context, str(body.get("user") or "")
+    return context, ""
+
+
+def _header_of(config: Any) -> str | None:
+    """The Authorization value a loaded ``Configuration`` holds, read without running its
+    refresh hook (``get_api_key_with_prefix`` would: Credentials runs it on its schedule)."""
+    for name in ("BearerToken", "authorization"):
+        key = config.api_key.get(name)
+        if key:
+            prefix = config.api_key_prefix.get(name)
+            return _authorization(f"{prefix} {key}" if prefix else str(key))
+    return None
+
+
+def _authorization(value: str) -> str:
+    """``value`` as a header: trimmed (a token file's final newline) and with the scheme
+    spelled ``Bearer`` (the in-cluster loader writes ``bearer``)."""
+    scheme, _, rest = value.strip().partition(" ")
+    return f"Bearer {rest.strip()}" if scheme.lower() == "bearer" else value.strip()
+
+
+def _run_refresh_hook(config: Any) -> None:
+    """The loader's own renewal: runs an exec plugin (or auth provider) again when its token
+    expires within five minutes, else keeps what it loaded (a rotated tokenFile is read
+    again by the reload after a 401)."""
+    hook = config.refresh_api_key_hook
+    if hook is not None:
+        hook(config)
+
+
+def _renewal(where: str, step: Callable[[], object], config: Any) -> Renewal:
+    """A Credentials renewal: run the loader ``step``, then read the header it left."""
+
+    def renew() -> str | None:
+        with _loading(where) as logged:
+            step()
+        if logged:
+            # The loader keeps the old token when a plugin failed: say why it may be stale.
+            log.warning("kube.credentials_renewal_failed", where=where, messages=logged)
+        return _header_of(config)
+
+    return renew
+
+
+@contextlib.contextmanager
+def _loading(where: str) -> Iterator[list[str]]:
+    """Run a kubernetes loader in the ``with`` body: what it raises becomes a KubeConfigError
+    naming ``where``; yields the messages it logged meanwhile (some failures, an exec
+    plugin's exit status and error output, it only logs)."""
+    from kubernetes.config.config_exception import ConfigException
+
+    with _captured_log() as logged:
+        try:
+            yield logged
+        # Malformed kubeconfigs fail inside the loader in any of these ways.
+        except (ConfigException, OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise KubeConfigError(f"{where}: {type(e).__name__}: {e}{_logged_cause(logged)}") from e
+
+
+def _logged_cause(messages: builtins.list[str]) -> str:
+    return f"; the loader reported: {'; '.join(messages)}" if messages else ""
+
+
+class _Collect(logging.Handler):
+    """Keeps the messages one thread logs through the root or a ``kubernetes`` logger."""
+
+    def __init__(self, thread: int, into: builtins.list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self._thread = thread
+        self._into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self._thread and (
+            record.name == "root" or record.name.startswith("kubernetes")
+        ):
+            self._into.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _captured_log() -> Iterator[builtins.list[str]]:
+    """The messages this thread logs meanwhile. The kubernetes loaders report an exec
+    plugin's failure with ``logging.error`` on the root logger; with this handler there, that
+    call also no longer installs a stderr handler (``logging.basicConfig``) as a side effect."""
+    messages: builtins.list[str] = []
+    handler = _Collect(threading.get_ident(), messages)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        root.removeHandler(handler)

@@ -140,7 +140,8 @@ def test_cli_errors_exit_2_with_one_line(
 
 def test_dev_apiserver_keeps_mutating_admission_webhooks(tmp_path: Path) -> None:
     cluster = Cluster(ClusterSettings(name="t", state_dir_override=tmp_path))
-    argv = cluster._apiserver_argv(Pki(*(tmp_path / n for n in ("ca", "crt", "key", "sa"))))
+    names = ("ca", "crt", "key", "sa", "admin.crt", "admin.key")
+    argv = cluster._apiserver_argv(Pki(*(tmp_path / n for n in names)))
     disabled = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--disable-admission")]
     enabled = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--enable-admission")]
     assert not any("MutatingAdmissionWebhook" in d for d in disabled)

@@ -1,5 +1,6 @@
-"""Key material of a dev cluster: a CA, the apiserver serving cert, the service-account key
-and the bearer tokens (all ECDSA P-256: fast to make, accepted everywhere in Kubernetes).
+"""Key material of a dev cluster: a CA, the apiserver serving cert, an admin client cert
+(for kubeconfigs with inline certificate data), the service-account key and the bearer
+tokens (all ECDSA P-256: fast to make, accepted everywhere in Kubernetes).
 
 Made once per state dir and reused, so kubeconfigs stay valid across ``down``/``up``.
 """
@@ -38,6 +39,8 @@ class Pki:
     serving_cert: Path
     serving_key: Path
     sa_key: Path
+    admin_cert: Path  # CN ADMIN_USER, O system:masters: a client cert the apiserver trusts
+    admin_key: Path
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ def ensure_pki(pki_dir: Path, *, dns_names: Sequence[str], ips: Sequence[str]) -
         serving_cert=pki_dir / "apiserver.crt",
         serving_key=pki_dir / "apiserver.key",
         sa_key=pki_dir / "sa.key",
+        admin_cert=pki_dir / "admin.crt",
+        admin_key=pki_dir / "admin.key",
     )
     if _usable(pki, dns_names, ips):
         return pki
@@ -100,14 +105,44 @@ def ensure_pki(pki_dir: Path, *, dns_names: Sequence[str], ips: Sequence[str]) -
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    admin_key = ec.generate_private_key(ec.SECP256R1())
+    admin_cert = _client_cert(admin_key, ca_key, ca_name, now)
     _write(pki.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), private=False)
     _write(pki.serving_cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
     _write(pki.serving_key, _pem_key(key), private=True)
+    _write(pki.admin_cert, admin_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(pki.admin_key, _pem_key(admin_key), private=True)
     # The SA key signs tokens stored in etcd: keep it when it exists.
     if not pki.sa_key.is_file():
         _write(pki.sa_key, _pem_key(ec.generate_private_key(ec.SECP256R1())), private=True)
     log.info("pki.created", dir=str(pki_dir), sans=[*dns_names, *ips])
     return pki
+
+
+def _client_cert(
+    key: ec.EllipticCurvePrivateKey,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_name: x509.Name,
+    now: dt.datetime,
+) -> x509.Certificate:
+    """The admin's client cert: the apiserver takes CN as the user, O as its groups."""
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+            x509.NameAttribute(NameOID.COMMON_NAME, ADMIN_USER),
+        ]
+    )
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
 
 
 def ensure_tokens(token_file: Path) -> Tokens:
@@ -134,7 +169,15 @@ def ensure_tokens(token_file: Path) -> Tokens:
 
 
 def _usable(pki: Pki, dns_names: Sequence[str], ips: Sequence[str]) -> bool:
-    paths = (pki.ca_cert, pki.serving_cert, pki.serving_key, pki.sa_key)
+    # A dir from before the admin cert existed lacks it: made anew (the SA key is kept).
+    paths = (
+        pki.ca_cert,
+        pki.serving_cert,
+        pki.serving_key,
+        pki.sa_key,
+        pki.admin_cert,
+        pki.admin_key,
+    )
     if not all(p.is_file() for p in paths):
         return False
     try:

@@ -336,6 +336,9 @@ class Cluster:
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--token-auth-file={s.token_file}",
+            # Client certs signed by the dev CA authenticate too (pki.admin_cert): kubeconfigs
+            # with inline client-certificate-data work against the dev cluster.
+            f"--client-ca-file={pki.ca_cert}",
             "--authorization-mode=RBAC",
             "--anonymous-auth=false",  # every client (probes too) uses a token
             f"--service-account-issuer={_SA_ISSUER}",
