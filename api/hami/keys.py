@@ -39,6 +39,9 @@ BIND_PHASES: Final[tuple[BindPhase, ...]] = ("allocating", "success", "failed")
 
 GpuMode = Literal["hami-core", "mig", "mps"]
 GPU_MODES: Final[tuple[GpuMode, ...]] = ("hami-core", "mig", "mps")
+# Clients one MPS control daemon serves at once on Volta and newer GPUs (CUDA's limit): an MPS
+# GPU registers at most this many slots, whatever deviceSplitCount says.
+MPS_MAX_CLIENTS: Final = 48
 
 
 def parse_gpu_mode(value: str) -> GpuMode | None:
