@@ -53,7 +53,9 @@ simulate: setup
 	@bash hack/simulate-examples.sh
 
 ## test: everything — lint (ruff, the import contract), strict typing, unit + property tests, Go shim tests, integration tests
-test: lint typecheck unit go-test integration
+# The tools are built before the Go tests: go vet/test then compile nothing of kube-scheduler
+# again, and on a cold cache the build shows its progress instead of a silent go vet.
+test: lint typecheck unit tools-test go-test integration
 
 lint: setup
 	$(VENV)/bin/ruff check .
