@@ -11,6 +11,10 @@
    the ``SlotInventory``, whose changes ListAndWatch pushes to the kubelet) and, in ``mig``
    mode, reconcile (every ``reconcile_interval_s`` against the desired set from the API;
    an unreadable set skips every destructive step).
+   With an MPS backend, the daemons are checked once before the first registration
+   (``MpsDaemons.sync``: in ``mps`` mode started or adopted, in other modes any left
+   running stopped) and, in ``mps`` mode, every ``mps_check_interval_s`` (restarted when
+   down); a health change updates the ``SlotInventory`` and wakes registration at once.
 4. The ``DevicePluginServer`` with the ``Allocator`` as Allocate handler and
    ``Allocator.preferred`` as GetPreferredAllocation policy, started again every
    ``plugin_retry_s`` until the kubelet answers Register; afterwards the server itself
@@ -19,6 +23,7 @@
 Stopping: the device plugin stops first (its socket is removed and in-flight Allocate
 calls finish), then the loops are told to end and joined, then ``backend.shutdown()``,
 which waits for any hardware operation already accepted (the backends' ``SessionGate``).
+MPS daemons are left running: their clients keep working, and the next agent adopts them.
 A failure during start-up (NVML cannot be initialized, discovery fails) goes through the
 same teardown and is raised.
 """
@@ -40,6 +45,8 @@ from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePluginServer
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import DesiredRead, desired_from_pods
+from node_agent.mps.backend import MpsBackend
+from node_agent.mps.manager import MpsDaemons
 from node_agent.nvml.backend import NvmlBackend
 from node_agent.nvml.discovery import unregistered
 from node_agent.registration import Registrar
@@ -79,6 +86,8 @@ class NodeAgent:
         health_interval_s: float = 5.0,
         plugin_retry_s: float = 2.0,
         plugin_watch_interval_s: float = 1.0,
+        mps_backend: MpsBackend | None = None,
+        mps_check_interval_s: float = 5.0,
     ) -> None:
         self.node_name = node_name
         self._kube = kube
@@ -92,9 +101,12 @@ class NodeAgent:
         self._health_s = health_interval_s
         self._retry_s = plugin_retry_s
         self._watch_s = plugin_watch_interval_s
+        self._mps_backend = mps_backend
+        self._mps_s = mps_check_interval_s
         self.mode: GpuMode = config.node(node_name).operating_mode
         self.ready = threading.Event()  # set while the device plugin is registered and serving
         self.mig_manager: MigManager | None = None
+        self.mps: MpsDaemons | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -120,7 +132,15 @@ class NodeAgent:
                 # GPUs the config leaves out (filterdevices) are not this agent's to clean.
                 left_out = unregistered(self._backend, self._config.node(self.node_name).registers)
                 mig.adopt_on_start(read.desired, left_out, reason=read.reason)
-            registrar = Registrar(self.node_name, self._kube, self._backend, self._config)
+            mps = (
+                MpsDaemons(self._mps_backend, node_name=self.node_name)
+                if self._mps_backend is not None
+                else None
+            )
+            self.mps = mps
+            registrar = Registrar(self.node_name, self._kube, self._backend, self._config, mps=mps)
+            if mps is not None:
+                self._check_mps(mps, registrar)
             inventory = SlotInventory(registrar.devices())
             allocator = Allocator(
                 self.node_name,
@@ -129,6 +149,7 @@ class NodeAgent:
                 mig,
                 self._config,
                 operating_mode=self.mode,
+                mps=mps,
             )
             loops: list[tuple[str, Callable[[], None]]] = [
                 ("register", lambda: self._register_loop(registrar, halt, wake_register)),
@@ -136,6 +157,10 @@ class NodeAgent:
             ]
             if mig is not None:
                 loops.append(("reconcile", lambda: self._reconcile_loop(mig, halt)))
+            if mps is not None and self.mode == "mps":
+                loops.append(
+                    ("mps", lambda: self._mps_loop(mps, registrar, inventory, halt, wake_register))
+                )
             for name, target in loops:
                 t = threading.Thread(target=target, name=f"node-agent-{name}", daemon=True)
                 t.start()
@@ -213,6 +238,37 @@ class NodeAgent:
                 log.warning("node_agent.discovery_failed", node=self.node_name, error=str(e))
             except Exception:
                 log.exception("node_agent.discovery_crashed", node=self.node_name)
+
+    def _mps_loop(
+        self,
+        mps: MpsDaemons,
+        registrar: Registrar,
+        inventory: SlotInventory,
+        halt: threading.Event,
+        wake_register: threading.Event,
+    ) -> None:
+        while not halt.wait(self._mps_s):
+            try:
+                if self._check_mps(mps, registrar):
+                    inventory.update(registrar.devices())
+                    wake_register.set()
+            except TesseraError as e:
+                log.warning("node_agent.discovery_failed", node=self.node_name, error=str(e))
+            except Exception:
+                log.exception("node_agent.mps_check_crashed", node=self.node_name)
+
+    def _check_mps(self, mps: MpsDaemons, registrar: Registrar) -> bool:
+        """One daemon check; True when a GPU's health changed. A daemon listing that fails
+        is logged and changes nothing (the next check tries again)."""
+        gpus = registrar.mps_gpus()
+        try:
+            changed = mps.sync(gpus)
+        except TesseraError as e:
+            log.warning("node_agent.mps_check_failed", node=self.node_name, error=str(e))
+            return False
+        if changed:
+            log.info("node_agent.mps_health", node=self.node_name, health=dict(mps.health()))
+        return changed
 
     def _reconcile_loop(self, mig: MigManager, halt: threading.Event) -> None:
         while not halt.wait(self._reconcile_s):

@@ -11,7 +11,11 @@ MIG reservations agree with it), then:
 - hami-core: HAMi-core's envs and mounts (``libvgpu.so``, ``ld.so.preload`` unless the
   container sets ``CUDA_DISABLE_CONTROL=true``, a per-container cache dir, ``/tmp/vgpulock``);
 - MIG: ``MigManager.ensure`` (reconcile first, exact placement, idempotent, rollback of this
-  attempt) and ``NVIDIA_VISIBLE_DEVICES=MIG-…``.
+  attempt) and ``NVIDIA_VISIBLE_DEVICES=MIG-…``;
+- MPS: each GPU's control daemon must be up (``MpsDaemons.require_up``; a temporary refusal
+  otherwise), then its pipe directory is mounted at ``/tmp/nvidia-mps/<i>`` and the MPS
+  client limits are set (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``,
+  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``); no HAMi-core library: MPS enforces the limits.
 
 Then one merge patch with a resourceVersion precondition empties the container's
 to-allocate entry (plus, for MIG, writes the runtime identities into
@@ -54,6 +58,8 @@ from node_agent.deviceplugin.ids import device_id, prefer_gpus, prefer_spread
 from node_agent.deviceplugin.types import ContainerAllocation, Mount
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
+from node_agent.mps.backend import CONTAINER_PIPE_ROOT
+from node_agent.mps.manager import MpsDaemons
 from node_agent.nvml.backend import DeviceInfo, NvmlBackend
 from node_agent.pod_matching import match_pod, preferred_gpus, requested_gpus
 
@@ -104,11 +110,13 @@ class Allocator:
         operating_mode: GpuMode | None = None,
         host_hook_dir: str = HOST_HOOK_DIR,
         cache_name: Callable[[], str] = lambda: str(uuid.uuid4()),
+        mps: MpsDaemons | None = None,
     ) -> None:
         self.node_name = node_name
         self._kube = kube
         self._backend = backend
         self._mig = mig_manager
+        self._mps = mps
         self._config = config
         node = config.node(node_name)
         self._mode: GpuMode = operating_mode or node.operating_mode
@@ -214,20 +222,29 @@ class Allocator:
         container = self._container(pod, ci)
         self._check_devices(key, ci, entry)
         reservations = self._reservations(key, ann, ci)
-        if reservations:
+        mode: GpuMode
+        if self._mode == "mps":
+            if reservations:
+                raise AllocationRefusedError(
+                    f"pod {key} container {ci}: node {self.node_name} runs MPS but the "
+                    f"container has a {MIG_ALLOCATIONS} reservation; the pod must be rescheduled"
+                )
+            allocation, mode = self._mps_allocation(key, ci, entry), "mps"
+        elif reservations:
             return self._allocate_mig(pod, ci, entry, reservations, pods)
-        if self._mode == "mig":
+        elif self._mode == "mig":
             raise AllocationRefusedError(
                 f"pod {key} container {ci}: node {self.node_name} runs MIG but the container "
                 f"has no {MIG_ALLOCATIONS} reservation; the pod must be rescheduled"
             )
-        allocation = self._hami_core(pod, container, entry)
+        else:
+            allocation, mode = self._hami_core(pod, container, entry), "hami-core"
 
         def build(fresh: Mapping[str, str]) -> dict[str, str] | None:
             return self._emptied(key, fresh, ci, entry)
 
         self._patch(pod, build)
-        log.info("allocate.done", pod=key, node=self.node_name, container=ci, mode="hami-core")
+        log.info("allocate.done", pod=key, node=self.node_name, container=ci, mode=mode)
         return allocation
 
     def _allocate_mig(
@@ -302,7 +319,8 @@ class Allocator:
                 raise AllocationRefusedError(
                     f"pod {key} container {ci}: GPU {d.uuid} is not on node {self.node_name}"
                 )
-            limit = int(dev.memory_mib * (self._scaling if self._mode == "hami-core" else 1.0))
+            scaled = self._mode in ("hami-core", "mps")  # as registered (discovery)
+            limit = int(dev.memory_mib * (self._scaling if scaled else 1.0))
             if d.mem > limit:
                 raise AllocationRefusedError(
                     f"pod {key} container {ci}: {d.mem} MiB asked on GPU {d.uuid}, "
@@ -368,6 +386,45 @@ class Allocator:
                     f"{cfg.resource_priority_name}: {e}"
                 ) from None
         return envs
+
+    # MPS ------------------------------------------------------------------------------------
+
+    def _mps_allocation(self, key: str, ci: int, entry: ContainerDevices) -> ContainerAllocation:
+        """Device i's daemon pipes at ``/tmp/nvidia-mps/<i>`` and the MPS client limits.
+
+        A CUDA process talks to one daemon (``CUDA_MPS_PIPE_DIRECTORY``, set to device 0's):
+        a container on several MPS GPUs runs one process per GPU, each pointing the
+        variable at its device's directory. The pinned memory limit is indexed by position
+        among the container's visible devices; the thread percentage is the container's
+        gpucores (one value for all its devices, as HAMi-core's SM limit), left unset for
+        0 (no limit asked) and 100 (the whole GPU).
+        """
+        if self._mps is None:
+            raise AllocationRefusedError(
+                f"pod {key}: node {self.node_name} runs MPS but this agent has no MPS daemons"
+            )
+        gpus = [d.uuid for d in entry]
+        if len(set(gpus)) != len(gpus):
+            raise AllocationRefusedError(
+                f"pod {key} container {ci}: {DEVICES_TO_ALLOCATE} lists a GPU twice, which "
+                "MPS cannot limit per entry; the pod must be rescheduled"
+            )
+        self._mps.require_up(gpus)
+        envs = {
+            "NVIDIA_VISIBLE_DEVICES": ",".join(gpus),
+            "CUDA_MPS_PIPE_DIRECTORY": f"{CONTAINER_PIPE_ROOT}/0",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ",".join(
+                f"{i}={d.mem}M" for i, d in enumerate(entry)
+            ),
+        }
+        cores = entry[0].cores
+        if 0 < cores < 100:
+            envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cores)
+        mounts = tuple(
+            Mount(f"{CONTAINER_PIPE_ROOT}/{i}", str(self._mps.pipe_dir(gpu)), False)
+            for i, gpu in enumerate(gpus)
+        )
+        return ContainerAllocation(envs=envs, mounts=mounts)
 
     # Patching -------------------------------------------------------------------------------
 

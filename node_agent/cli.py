@@ -2,7 +2,8 @@
 
 - ``run``: the agent of one real node (``node_agent.agent.NodeAgent``); the NVML backend is
   chosen by ``TESSERA_NVML`` (``real`` default, ``simulated`` with ``TESSERA_SIM_GPUS`` and
-  ``TESSERA_SIM_STATE``). SIGTERM/SIGINT stop it cleanly.
+  ``TESSERA_SIM_STATE``), the MPS daemon backend by ``TESSERA_MPS`` (default: the NVML
+  backend's kind) over ``--mps-root``. SIGTERM/SIGINT stop it cleanly.
 - ``kwok``: simulated agents for every kwok fake node of a cluster (one process).
 """
 
@@ -45,6 +46,17 @@ def add_node_agent_commands(
     run.add_argument(
         "--plugin-dir", help="kubelet device plugin dir (default: /var/lib/kubelet/device-plugins)"
     )
+    run.add_argument(
+        "--mps-root",
+        help="the MPS control daemons' pipe and log directories (and the simulated backend's "
+        "state and fault files) go under it (default: /var/lib/tessera/mps)",
+    )
+    run.add_argument(
+        "--mps-check-interval",
+        type=_seconds,
+        default=5.0,
+        help="seconds between MPS control daemon checks in mps mode",
+    )
     logging_flags(run)
     run.set_defaults(func=_cmd_run)
     kwok = sub.add_parser("kwok", help="simulated node agents for kwok fake nodes")
@@ -52,9 +64,26 @@ def add_node_agent_commands(
     kwok.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
     kwok.add_argument("--state-dir", help="keep each fake node's simulated NVML state here")
     kwok.add_argument("--watch-timeout", type=int, default=10, help="seconds per watch round")
+    kwok.add_argument(
+        "--mps-check-interval",
+        type=_seconds,
+        default=0.5,
+        help="seconds between checks of the fake mps nodes' simulated MPS daemons",
+    )
     logging_flags(kwok)
     kwok.set_defaults(func=_cmd_kwok)
     return agent
+
+
+def _seconds(text: str) -> float:
+    """A check interval: a positive number of seconds (0 would spin)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 3600] seconds")
+    return value
 
 
 def _client(args: argparse.Namespace) -> KubeClient:
@@ -77,14 +106,24 @@ def _stop_on_signals() -> threading.Event:
 def _cmd_run(args: argparse.Namespace) -> int:
     from node_agent.agent import NodeAgent
     from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
+    from node_agent.mps import DEFAULT_ROOT, mps_backend_from_env
     from node_agent.nvml import backend_from_env
 
     config = load_config_file(args.config) if args.config else DeviceConfig()
     backend = backend_from_env(node_name=args.node_name)
+    mps = mps_backend_from_env(
+        root=Path(args.mps_root) if args.mps_root else DEFAULT_ROOT, node_name=args.node_name
+    )
     done = _stop_on_signals()
     with _client(args) as kube:
         NodeAgent(
-            args.node_name, kube, backend, config, plugin_dir=args.plugin_dir or DEFAULT_PLUGIN_DIR
+            args.node_name,
+            kube,
+            backend,
+            config,
+            plugin_dir=args.plugin_dir or DEFAULT_PLUGIN_DIR,
+            mps_backend=mps,
+            mps_check_interval_s=args.mps_check_interval,
         ).run(done)
     return 0
 
@@ -99,7 +138,13 @@ def _cmd_kwok(args: argparse.Namespace) -> int:
     done = _stop_on_signals()
     with (
         _client(args) as kube,
-        KwokAgents(kube, config, state_dir=state, watch_timeout_s=args.watch_timeout),
+        KwokAgents(
+            kube,
+            config,
+            state_dir=state,
+            watch_timeout_s=args.watch_timeout,
+            mps_check_interval_s=args.mps_check_interval,
+        ),
     ):
         done.wait()
     return 0

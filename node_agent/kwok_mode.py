@@ -11,6 +11,15 @@ Failed) and after every watch round it reconciles, so MIG instances of ended pod
 destroyed. With ``state_dir`` each node's simulated NVML state survives restarts and is
 adopted on start.
 
+A fake node whose register annotation says ``"mode":"mps"`` also gets a ``SimulatedMps``
+daemon per GPU (files under ``<state-dir>/<node>.mps``, where a test drops its fault files;
+in memory without ``state_dir``), started (or adopted) when its agent starts and checked
+every ``mps_check_interval_s`` (0.5 s) on the node's queue like any of its work. When a
+GPU's daemon health changes, the node's ``hami.io/node-nvidia-register`` is patched: the
+health flag of that GPU and nothing else (``with_gpu_health``), under a resourceVersion
+precondition, so the scheduler stops or starts offering the GPU; when a daemon is back,
+the node's pods still allocating are looked at again.
+
 One watch feeds a ``PodIndex`` (pods by node, newest version of each), and the allocators
 read the pods of their node from it instead of listing them from the API: an allocation
 costs one patch. The index is at least as fresh as the event that asked for the work (the
@@ -22,18 +31,20 @@ each other, and repeated events for one pod collapse into one look at its newest
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import structlog
 
-from api.errors import TesseraError
+from api.errors import InvalidAnnotationError, TesseraError
 from api.hami.catalog import find_model
 from api.hami.config import DeviceConfig
 from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, NODE_REGISTER
@@ -45,6 +56,8 @@ from api.kube.reflector import Reflector
 from node_agent.allocator import Allocator
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import TERMINAL_PHASES, desired_from_pods
+from node_agent.mps.manager import MpsDaemons
+from node_agent.mps.simulated import SimulatedMps
 from node_agent.nvml.simulated import CreationHold, SimulatedGpuSpec, SimulatedNvml
 
 log = structlog.get_logger(__name__)
@@ -55,6 +68,8 @@ DEFAULT_WORKERS: Final = 16
 _NODE_FIELD: Final = "spec.nodeName="
 _RECONCILE: Final = ""  # queue item: reconcile the node (no pod)
 _START: Final = "start"  # queue item: start the node's agent (no pod key lacks a "/")
+_MPS_CHECK: Final = "mps"  # queue item: check the node's MPS daemons
+DEFAULT_MPS_CHECK_S: Final = 0.5
 # A node not in the last node list is looked up alone (GET) until this long after that
 # list; then the next miss lists every node again (one paged LIST instead of a GET each).
 NODE_RELIST_S: Final = 30.0
@@ -341,6 +356,11 @@ class FakeNode:
     mig: MigManager
     allocator: Allocator
     has_mig: bool = False
+    mps: MpsDaemons | None = None
+    mps_backend: SimulatedMps | None = None
+    mps_gpus: tuple[str, ...] = ()
+    # GPU -> health as the node's register annotation says it (what the scheduler sees).
+    published: dict[str, bool] = field(default_factory=dict)
 
 
 class KwokAgents:
@@ -355,11 +375,15 @@ class KwokAgents:
         state_dir: Path | None = None,
         watch_timeout_s: int = 10,
         workers: int = DEFAULT_WORKERS,
+        mps_check_interval_s: float = DEFAULT_MPS_CHECK_S,
     ) -> None:
         self._kube = kube
         self._config = config
         self._state_dir = state_dir
         self._watch_timeout_s = watch_timeout_s
+        self._mps_check_s = mps_check_interval_s
+        self._mps_halt = threading.Event()
+        self._mps_thread: threading.Thread | None = None
         self._nodes: dict[str, FakeNode | None] = {}
         self._lock = threading.Lock()
         self._reflector: Reflector | None = None
@@ -461,11 +485,32 @@ class KwokAgents:
         backend.init()
         mig = MigManager(backend, node_name=name)
         mode = devices[0].mode if devices else None
-        allocator = Allocator(name, self._pod_api, backend, mig, self._config, operating_mode=mode)
+        mps_backend: SimulatedMps | None = None
+        mps: MpsDaemons | None = None
+        if mode == "mps":
+            root = self._state_dir / f"{name}.mps" if self._state_dir else None
+            mps_backend = SimulatedMps(root, node_name=name)
+            mps = MpsDaemons(mps_backend, node_name=name)
+        allocator = Allocator(
+            name, self._pod_api, backend, mig, self._config, operating_mode=mode, mps=mps
+        )
         read = desired_from_pods(self.pods.on_node(name), node_name=name)
         mig.adopt_on_start(read.desired, reason=read.reason)
-        log.info("kwok.node_agent_started", node=name, gpus=len(specs))
-        return FakeNode(name, backend, mig, allocator, has_mig=any(s.mig_enabled for s in specs))
+        node = FakeNode(
+            name,
+            backend,
+            mig,
+            allocator,
+            has_mig=any(s.mig_enabled for s in specs),
+            mps=mps,
+            mps_backend=mps_backend,
+            mps_gpus=tuple(d.id for d in devices) if mps is not None else (),
+            published={d.id: d.health for d in devices},
+        )
+        if mps is not None:
+            self.check_mps(node)  # start (or adopt) the daemons as the node's agent starts
+        log.info("kwok.node_agent_started", node=name, gpus=len(specs), mode=mode)
+        return node
 
     def allocate(self, node: FakeNode, namespace: str, name: str) -> None:
         """Every remaining container of the pod, in order, as the kubelet would."""
@@ -476,6 +521,52 @@ class KwokAgents:
     def reconcile(self, node: FakeNode) -> None:
         read = desired_from_pods(self.pods.on_node(node.name), node_name=node.name)
         node.mig.reconcile(read.desired, reason=read.reason)
+
+    def check_mps(self, node: FakeNode) -> None:
+        """One check of the node's MPS daemons (restarting those down), then the register
+        annotation brought in line with their health."""
+        mps = node.mps
+        if mps is None:
+            return
+        try:
+            mps.sync(node.mps_gpus)
+        except TesseraError as e:
+            log.warning("kwok.mps_check_failed", node=node.name, error=str(e))
+            return
+        self._publish_mps_health(node, mps.health())
+
+    def _publish_mps_health(self, node: FakeNode, health: Mapping[str, bool]) -> None:
+        wanted = {gpu: health.get(gpu, False) for gpu in node.mps_gpus}
+        if wanted == node.published:
+            return
+        path = f"/api/v1/nodes/{node.name}"
+        try:
+            obj = self._kube.get(path)
+            meta = obj.get("metadata") or {}
+            value = (meta.get("annotations") or {}).get(NODE_REGISTER)
+            if not isinstance(value, str):
+                raise InvalidAnnotationError(NODE_REGISTER, "is missing", obj=f"node {node.name}")
+            new = with_gpu_health(value, wanted, obj=f"node {node.name}")
+            if new != value:
+                self._kube.merge_patch(
+                    path,
+                    {"metadata": {"annotations": {NODE_REGISTER: new}}},
+                    resource_version=meta.get("resourceVersion"),
+                )
+        except TesseraError as e:  # a conflict or an API hiccup: the next check retries
+            log.warning("kwok.mps_health_not_published", node=node.name, error=str(e))
+            return
+        back = any(up and not node.published.get(gpu, False) for gpu, up in wanted.items())
+        node.published = wanted
+        log.info(
+            "kwok.mps_health_published",
+            node=node.name,
+            unhealthy=sorted(gpu for gpu, up in wanted.items() if not up),
+        )
+        if back:  # pods refused while a daemon was down get their Allocate now
+            for pod in self.pods.on_node(node.name):
+                if annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod):
+                    self._queues.submit(node.name, pod_key(pod))
 
     # Events -------------------------------------------------------------------------------
 
@@ -500,6 +591,9 @@ class KwokAgents:
             if key == _RECONCILE:
                 self.reconcile(node)
                 return
+            if key == _MPS_CHECK:
+                self.check_mps(node)
+                return
             pod = self.pods.get(key)
             if pod is None or _node_of(pod) != node_name or _ended(pod):
                 if node.has_mig:
@@ -518,9 +612,20 @@ class KwokAgents:
         for name in nodes:
             self._queues.submit(name, _RECONCILE)
 
+    def mps_pass(self) -> None:
+        """Queue a check of every fake mps node's daemons known so far (the periodic pass)."""
+        with self._lock:
+            nodes = [n.name for n in self._nodes.values() if n is not None and n.mps is not None]
+        for name in nodes:
+            self._queues.submit(name, _MPS_CHECK)
+
     def idle(self) -> bool:
         """Nothing queued or running (for tests and benchmarks)."""
         return self._queues.idle()
+
+    def _mps_loop(self) -> None:
+        while not self._mps_halt.wait(self._mps_check_s):
+            self.mps_pass()
 
     # Loop ---------------------------------------------------------------------------------
 
@@ -546,12 +651,20 @@ class KwokAgents:
             watch_timeout_s=self._watch_timeout_s,
         )
         self._reflector.start()
+        self._mps_halt.clear()
+        self._mps_thread = threading.Thread(target=self._mps_loop, name="kwok-mps", daemon=True)
+        self._mps_thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop and the workers, and shut every simulated NVML session down."""
+        """Stop the loops and the workers, and shut every simulated NVML session down (the
+        simulated MPS daemons keep running, as a real node's outlive its agent)."""
         if self._reflector is not None:
             self._reflector.stop(timeout_s)
             self._reflector = None
+        self._mps_halt.set()
+        if self._mps_thread is not None:
+            self._mps_thread.join(timeout_s)
+            self._mps_thread = None
         self._queues.close()
         with self._lock:
             nodes = [n for n in self._nodes.values() if n is not None]
@@ -564,6 +677,67 @@ class KwokAgents:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# A GPU object's top-level health member as a Go encoder writes it: after another member,
+# so it starts with a comma. Inside a JSON string a quote is always escaped, so ``,"`` never
+# occurs there and this cannot match string content.
+_HEALTH_MEMBER: Final = re.compile(r',\s*"health"\s*:\s*(true|false)')
+
+
+def with_gpu_health(value: str, health: Mapping[str, bool], *, obj: str = "") -> str:
+    """``value`` (a ``hami.io/node-nvidia-register`` annotation) with the health flag of each
+    GPU in ``health`` set as given, every other byte kept: the other GPUs' objects, the
+    text between them, and the rest of that GPU's object. A healthy GPU gets
+    ``,"health":true`` (added last, HAMi's field order, when absent); an unhealthy one has
+    the member removed (HAMi leaves false out). Raises ``InvalidAnnotationError`` for a
+    value that does not decode."""
+    decode(value, obj=obj)  # validated whole first: the scan below trusts its structure
+    decoder = json.JSONDecoder()
+    out: list[str] = []
+    pos = value.index("[") + 1
+    out.append(value[:pos])
+    while True:
+        start = _skip_ws(value, pos)
+        if value[start] == "]":
+            out.append(value[pos:])
+            return "".join(out)
+        out.append(value[pos:start])
+        item, end = decoder.raw_decode(value, start)
+        text = value[start:end]
+        gpu = item.get("id")
+        if gpu in health and bool(item.get("health", False)) != health[gpu]:
+            text = _set_health(text, health[gpu], "health" in item, obj=obj)
+        out.append(text)
+        sep = _skip_ws(value, end)
+        out.append(value[end : sep + 1])  # whitespace and the "," or "]"
+        if value[sep] == "]":
+            out.append(value[sep + 1 :])
+            return "".join(out)
+        pos = sep + 1
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _set_health(text: str, healthy: bool, present: bool, *, obj: str) -> str:
+    members = list(_HEALTH_MEMBER.finditer(text))
+    if len(members) != int(present):
+        raise InvalidAnnotationError(
+            NODE_REGISTER,
+            "a GPU object's health member is not where an encoder writes it (after another "
+            "member, once)",
+            obj=obj,
+        )
+    if not members:
+        return text[:-1] + ',"health":true}'  # absent means false: only ever set to true
+    m = members[0]
+    if healthy:
+        return text[: m.start(1)] + "true" + text[m.end(1) :]
+    return text[: m.start()] + text[m.end() :]
 
 
 def _is_fake(annotations: Mapping[str, str]) -> bool:

@@ -1,7 +1,9 @@
 """Node registration: publishes ``hami.io/node-nvidia-register`` and ``hami.io/node-handshake``.
 
 ``Registrar.sync`` discovers the GPUs through NVML (with the node's operating mode, split
-count and memory scaling from the device config), reads the node's current annotations
+count and memory scaling from the device config; in ``mps`` mode a GPU is healthy only
+while its MPS control daemon is up, as ``MpsDaemons`` last saw it), reads the node's
+current annotations
 and patches only when the register value differs (so a health change shows up at the
 next sync, an unchanged node costs one GET). The handshake (``Reported <time>``) is
 written with every register change and whenever the scheduler asked for one (a value
@@ -10,6 +12,7 @@ not starting with ``Reported``). ``run`` syncs periodically until stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -21,6 +24,7 @@ from api.errors import TesseraError
 from api.hami.config import DeviceConfig
 from api.hami.keys import NODE_REGISTER
 from api.hami.register import GpuDevice, encode
+from node_agent.mps.manager import MpsDaemons
 from node_agent.nvml.backend import NvmlBackend
 from node_agent.nvml.discovery import discover
 
@@ -47,12 +51,14 @@ class Registrar:
         config: DeviceConfig,
         *,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        mps: MpsDaemons | None = None,
     ) -> None:
         self.node_name = node_name
         self._kube = kube
         self._backend = backend
         self._config = config
         self._now = now
+        self._mps = mps
         node = config.node(node_name)
         self._mode = node.operating_mode
         self._split = node.device_split_count or config.device_split_count
@@ -61,6 +67,25 @@ class Registrar:
         self._registers = node.registers
 
     def devices(self) -> tuple[GpuDevice, ...]:
+        """The GPUs as registered; in mps mode a GPU whose daemon is down (or that has no
+        daemon manager to vouch for it) is unhealthy."""
+        found = self.discovered()
+        if self._mode != "mps":
+            return found
+        mps = self._mps
+        return tuple(
+            dataclasses.replace(d, health=d.health and mps is not None and mps.healthy(d.id))
+            for d in found
+        )
+
+    def mps_gpus(self) -> tuple[str, ...]:
+        """The GPUs that need an MPS control daemon: every registered one in mps mode."""
+        if self._mode != "mps":
+            return ()
+        return tuple(d.id for d in self.discovered())
+
+    def discovered(self) -> tuple[GpuDevice, ...]:
+        """The GPUs as NVML shows them (health from NVML alone)."""
         return discover(
             self._backend,
             self._config.allowed_profiles,

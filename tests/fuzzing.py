@@ -42,6 +42,7 @@ from api.hami.keys import GpuMode
 from api.hami.register import GpuDevice, Placement, encode
 from node_agent.allocator import Allocator
 from node_agent.mig_manager import MigManager
+from node_agent.mps import MpsDaemons, SimulatedMps
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from scheduler_plugins.core.cache import ClusterCache
 from tests.builders import gpu, make_pod, mig_gpu
@@ -363,6 +364,7 @@ def cluster() -> ClusterCache:
 AGENT_NODE = "node-a"
 HC0, HC1 = "GPU-hc000000-0000-0000-0000-000000000000", "GPU-hc111111-1111-1111-1111-111111111111"
 MG0, MG1 = "GPU-mg000000-0000-0000-0000-000000000000", "GPU-mg111111-1111-1111-1111-111111111111"
+MP0, MP1 = "GPU-mp000000-0000-0000-0000-000000000000", "GPU-mp111111-1111-1111-1111-111111111111"
 V100, A100 = "Tesla V100-PCIE-32GB", "A100-PCIE-40GB"
 
 
@@ -409,17 +411,24 @@ class AgentNode:
 
 
 def agent_node(mode: GpuMode) -> AgentNode:
-    """A hami-core node (two V100s) or a MIG node (two A100-40GB) with one running pod: 4000
-    MiB of GPU 0, or a 2g.10gb instance at slices [0,2) of GPU 0 created by the agent."""
-    gpus = (HC0, HC1) if mode == "hami-core" else (MG0, MG1)
-    model = V100 if mode == "hami-core" else A100
+    """A hami-core or MPS node (two V100s; MPS with its simulated daemons up) or a MIG node
+    (two A100-40GB) with one running pod: 4000 MiB of GPU 0, or a 2g.10gb instance at slices
+    [0,2) of GPU 0 created by the agent."""
+    gpus = {"hami-core": (HC0, HC1), "mig": (MG0, MG1), "mps": (MP0, MP1)}[mode]
+    model = A100 if mode == "mig" else V100
     backend = SimulatedNvml([SimulatedGpuSpec(model, uuid=u) for u in gpus], None)
     backend.init()
     kube = FakeKube()
     config = DeviceConfig(nodeconfig=(NodeConfig(AGENT_NODE, mode),))
     mig = MigManager(backend, node_name=AGENT_NODE)
-    allocator = Allocator(AGENT_NODE, kube, backend, mig, config, cache_name=lambda: "fuzz")
-    if mode == "hami-core":
+    mps = None
+    if mode == "mps":
+        mps = MpsDaemons(SimulatedMps(node_name=AGENT_NODE), node_name=AGENT_NODE)
+        mps.sync(gpus)
+    allocator = Allocator(
+        AGENT_NODE, kube, backend, mig, config, cache_name=lambda: "fuzz", mps=mps
+    )
+    if mode != "mig":
         victim = agent_pod("victim", devices=[[(gpus[0], 4000, 30)]])
     else:
         victim = agent_pod(

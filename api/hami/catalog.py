@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from api.hami.config import DeviceConfig
-from api.hami.keys import GpuMode, parse_gpu_mode
+from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, GpuMode, parse_gpu_mode
 from api.hami.register import GpuDevice, MigProfile, Placement, encode
 
 # NVML profile *index* constants (NVML_GPU_INSTANCE_PROFILE_*).
@@ -207,7 +207,9 @@ def simulated_devices(
 ) -> tuple[GpuDevice, ...]:
     """The GPUs a node of ``gpu_count`` × ``model`` registers in ``mode`` under ``config``.
 
-    ``migProfiles`` lists the allowlisted profiles the model resolves, only in mig mode.
+    ``migProfiles`` lists the allowlisted profiles the model resolves, only in mig mode;
+    memory scaling applies in hami-core and mps mode, and an mps GPU has at most
+    ``MPS_MAX_CLIENTS`` slots (as the node agent's discovery registers them).
     """
     cfg = config or DeviceConfig()
     m = find_model(model)
@@ -224,8 +226,8 @@ def simulated_devices(
         GpuDevice(
             id=simulated_gpu_uuid(node_name, i),
             index=i,
-            count=split,
-            devmem=int(m.memory_mib * (scaling if mode == "hami-core" else 1.0)),
+            count=min(split, MPS_MAX_CLIENTS) if mode == "mps" else split,
+            devmem=int(m.memory_mib * (scaling if mode in ("hami-core", "mps") else 1.0)),
             devcore=100,
             type=m.name,
             numa=simulated_numa(i, gpu_count),
@@ -243,5 +245,5 @@ def simulated_register_json(
     """The exact ``hami.io/node-nvidia-register`` value of such a simulated node."""
     gpu_mode = parse_gpu_mode(mode)
     if gpu_mode is None:
-        raise ValueError(f"operating mode {mode!r} is not one of hami-core, mig")
+        raise ValueError(f"operating mode {mode!r} is not one of {', '.join(GPU_MODES)}")
     return encode(simulated_devices(node_name, model, gpu_count, gpu_mode, config))

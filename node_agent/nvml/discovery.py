@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 
 from api.hami.catalog import UnknownModelError, find_model
-from api.hami.keys import GpuMode
+from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
 from api.hami.register import GpuDevice, MigProfile
 from node_agent.nvml.backend import (
     GPU_INSTANCE_PROFILE_INDEXES,
@@ -30,6 +30,9 @@ from node_agent.nvml.backend import (
 from node_agent.nvml.errors import InvalidArgument, NotFound, NotSupported
 
 _ABSENT = (NotSupported, InvalidArgument, NotFound)
+# Modes whose GPUs are shared by slots with limits (HAMi-core's or MPS's): memory and core
+# scaling apply to them; a MIG GPU's memory and cores are the card's.
+_SCALED_MODES: frozenset[GpuMode] = frozenset({"hami-core", "mps"})
 
 
 def discover(
@@ -43,23 +46,25 @@ def discover(
     registers: Callable[[str, int], bool] = lambda _uuid, _index: True,
 ) -> tuple[GpuDevice, ...]:
     """The GPUs of this node as it registers them (``backend`` must be initialized), but
-    those ``registers`` leaves out (``filterdevices``). A hami-core GPU registers
-    ``core_scaling`` × 100 cores (HAMi's ``deviceCoreScaling``)."""
+    those ``registers`` leaves out (``filterdevices``). A hami-core or mps GPU registers
+    ``core_scaling`` × 100 cores (HAMi's ``deviceCoreScaling``) and ``memory_scaling`` × its
+    memory; an mps GPU at most ``MPS_MAX_CLIENTS`` slots (one daemon serves no more)."""
     devices: list[GpuDevice] = []
     for index in range(backend.device_count()):
         dev = backend.device(index)
         if not registers(dev.uuid, dev.index):
             continue
         profiles: tuple[MigProfile, ...] = ()
+        scaled = mode in _SCALED_MODES
         if mode == "mig":
             profiles = mig_profiles(backend, dev, allowlist_profiles_for(dev.name))
         devices.append(
             GpuDevice(
                 id=dev.uuid,
                 index=dev.index,
-                count=split_count,
-                devmem=int(dev.memory_mib * (memory_scaling if mode == "hami-core" else 1.0)),
-                devcore=int(100 * (core_scaling if mode == "hami-core" else 1.0)),
+                count=min(split_count, MPS_MAX_CLIENTS) if mode == "mps" else split_count,
+                devmem=int(dev.memory_mib * (memory_scaling if scaled else 1.0)),
+                devcore=int(100 * (core_scaling if scaled else 1.0)),
                 type=dev.name,
                 numa=dev.numa_node,
                 health=dev.healthy,

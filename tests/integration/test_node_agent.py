@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from api.hami.catalog import simulated_register_json
 from api.hami.config import DeviceConfig
 from api.hami.devices import decode_mig_allocations
 from api.hami.keys import (
@@ -293,3 +296,60 @@ def test_kwok_mode_learns_fake_nodes_from_one_node_list_and_looks_up_late_ones_a
             agents.stop()
     finally:
         api.delete(f"/api/v1/nodes/{plain}")
+
+
+def test_kwok_mode_serves_a_fake_mps_node_and_publishes_its_daemon_health(
+    api: KubeClient, tmp_path: Path
+) -> None:
+    """A fake mps node: its pod is allocated through the MPS branch, and a daemon crash
+    (a fault file, as the e2e tests drop it) flips that GPU's register health and back."""
+    name = "kwok-mps-it"
+    path = f"/api/v1/nodes/{name}"
+    register = simulated_register_json(name, "A100-PCIE-40GB", 2, "mps")
+    api.post(
+        "/api/v1/nodes",
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {"kwok.x-k8s.io/node": "fake", NODE_REGISTER: register},
+            },
+        },
+    )
+    g0, g1 = (d.id for d in decode(register))
+    pod_path = f"{PODS}/kwok-mps"
+    try:
+        with KwokAgents(
+            api, DeviceConfig(), state_dir=tmp_path, watch_timeout_s=2, mps_check_interval_s=0.2
+        ) as agents:
+            api.post(PODS, scheduled_pod("kwok-mps", name, f"{g0},NVIDIA,2000,30:;"))
+
+            def phase() -> str | None:
+                p = api.get(pod_path)["metadata"]["annotations"].get(BIND_PHASE)
+                return None if p == "allocating" else str(p)
+
+            assert eventually(phase) == "success"
+            fake = agents.node(name)
+            assert fake is not None and fake.mps_backend is not None
+            assert fake.mps_backend.daemons() == {g0, g1}
+
+            def registered() -> str:
+                value: str = api.get(path)["metadata"]["annotations"][NODE_REGISTER]
+                return value
+
+            faults = tmp_path / f"{name}.mps" / "faults"
+            faults.mkdir()
+            (faults / f"{g1}.fail_start").touch()
+            (faults / f"{g1}.crash").touch()
+            eventually(lambda: [d.health for d in decode(registered())] == [True, False])
+            assert registered().replace(g1, "") == register.replace(g1, "").replace(
+                ',"health":true}]', "}]"
+            )
+            (faults / f"{g1}.fail_start").unlink()
+            eventually(lambda: registered() == register)
+    finally:
+        with contextlib.suppress(NotFoundError):
+            api.delete(pod_path)
+        api.delete(path)
+    eventually(gone(api, pod_path))

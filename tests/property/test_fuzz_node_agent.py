@@ -1,6 +1,6 @@
 """Hostile pods reaching the node agent: the annotations it did not write are untrusted.
 
-A node (hami-core or MIG) runs one pod (``victim``); a second pod (``intruder``) arrives with
+A node (hami-core, MIG or MPS) runs one pod (``victim``); a second pod (``intruder``) arrives with
 every Tessera annotation valid, mutated or garbage — GPUs of other nodes, memory beyond the
 card, forged or partial MIG identities, placements over the victim's instance, unreadable
 JSON — and a container list of any shape. Then:
@@ -9,7 +9,8 @@ JSON — and a container list of any shape. Then:
   ``PodMatchError`` or ``InvalidDeviceIdError``);
 - ``Allocator.allocate`` for the intruder either answers or raises a ``TesseraError`` with a
   message; what it hands out names only this node's GPUs, memory within the card, host paths
-  under the hook dir, and never the victim's MIG instance;
+  under the hook dir (MPS: the GPUs' own daemon pipe directories), and never the victim's
+  MIG instance;
 - the victim's annotations are never patched and its MIG instance survives the allocation
   and the reconcile pass after it; no GPU instance is left behind that the manager does not
   own.
@@ -38,6 +39,7 @@ from api.kube.objects import annotations_of
 from node_agent.allocator import HOST_HOOK_DIR, Allocator
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, device_id
 from node_agent.mig_records import desired_from_pods
+from node_agent.mps import CONTAINER_PIPE_ROOT, DEFAULT_ROOT
 from node_agent.pod_matching import PodMatchError, match_pod, preferred_gpus
 from tests.fuzzing import (
     AGENT_NODE,
@@ -149,6 +151,20 @@ def check_handed_out(node: AgentNode, envs: Mapping[str, str], mounts: Any) -> N
         assert set(visible) <= set(node.gpus), visible
         limits = [int(v[:-1]) for k, v in envs.items() if k.startswith("CUDA_DEVICE_MEMORY_LIMIT")]
         assert all(0 <= m <= 32768 for m in limits), limits
+    elif node.mode == "mps":
+        assert set(visible) <= set(node.gpus) and len(set(visible)) == len(visible), visible
+        pinned = envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split(",")
+        assert pinned == [f"{i}={p.split('=')[1]}" for i, p in enumerate(pinned)], pinned
+        assert len(pinned) == len(visible), pinned
+        assert all(0 <= int(p.split("=")[1][:-1]) <= 32768 for p in pinned), pinned
+        assert 0 < int(envs.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "1")) < 100, envs
+        pipes = [(m.container_path, m.host_path, m.read_only) for m in mounts]
+        expected = [
+            (f"{CONTAINER_PIPE_ROOT}/{i}", f"{DEFAULT_ROOT}/{gpu}/pipe", False)
+            for i, gpu in enumerate(visible)
+        ]
+        assert pipes == expected, pipes
+        return
     else:
         assert all(v.startswith("MIG-") for v in visible), visible
     for m in mounts:
@@ -165,11 +181,12 @@ def check_victim(node: AgentNode) -> None:
 
 # ----- pure matching ----------------------------------------------------------------------------
 
-NODES_BY_MODE = {m: agent_node(m) for m in ("hami-core", "mig")}
+MODES: tuple[GpuMode, ...] = ("hami-core", "mig", "mps")
+NODES_BY_MODE = {m: agent_node(m) for m in MODES}
 
 
 @fuzz_settings(100)
-@given(mode=st.sampled_from(["hami-core", "mig"]), data=st.data())
+@given(mode=st.sampled_from(MODES), data=st.data())
 def test_matching_hostile_pods_never_raises_unexpectedly(
     fuzz_ledger: FuzzLedger, mode: GpuMode, data: st.DataObject
 ) -> None:
@@ -194,7 +211,7 @@ def test_matching_hostile_pods_never_raises_unexpectedly(
 
 
 @fuzz_settings(100)
-@given(mode=st.sampled_from(["hami-core", "mig"]), data=st.data())
+@given(mode=st.sampled_from(MODES), data=st.data())
 def test_hostile_pod_allocates_only_its_own_and_never_touches_the_running_pod(
     fuzz_ledger: FuzzLedger, mode: GpuMode, data: st.DataObject
 ) -> None:

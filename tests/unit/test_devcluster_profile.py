@@ -119,3 +119,15 @@ def test_node_object_uses_the_device_config_split_count() -> None:
     group = NodeGroup("A100-PCIE-40GB", gpus_per_node=4)
     node = node_object("n", group, DeviceConfig(device_split_count=5), now=0.0)
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "20"
+
+
+def test_mps_node_registers_mps_gpus_and_at_most_the_client_limit_of_slots() -> None:
+    [group] = parse_profile(
+        profile(groups=[{"model": "A100-PCIE-40GB", "mode": "mps", "gpusPerNode": 2}]),
+        base_dir=Path("."),
+    ).groups
+    assert group == NodeGroup("A100-PCIE-40GB", gpus_per_node=2, mode="mps")
+    node = node_object("n", group, DeviceConfig(device_split_count=100), now=0.0)
+    devices = decode(node["metadata"]["annotations"][NODE_REGISTER])
+    assert [(d.mode, d.count, d.health) for d in devices] == [("mps", 48, True)] * 2
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "96"

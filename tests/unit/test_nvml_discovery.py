@@ -36,7 +36,7 @@ def node(model: str, count: int, **spec: object) -> SimulatedNvml:
 
 
 @pytest.mark.parametrize("model", [m.name for m in MODELS])
-@pytest.mark.parametrize("mode", ["mig", "hami-core"])
+@pytest.mark.parametrize("mode", ["mig", "hami-core", "mps"])
 @pytest.mark.parametrize("count", [2, 8])
 def test_discovery_matches_the_simulated_node_register(
     model: str, mode: GpuMode, count: int
@@ -58,7 +58,7 @@ def test_a100_registers_the_seed_example() -> None:
     sim.shutdown()
 
 
-def test_memory_scaling_applies_to_hami_core_only() -> None:
+def test_memory_scaling_applies_to_shared_gpus_not_mig() -> None:
     sim = node(A100, 1)
     (core,) = discover(sim, DeviceConfig().allowed_profiles, "hami-core", 4, 1.5)
     (mig,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 4, 1.5)
@@ -67,7 +67,20 @@ def test_memory_scaling_applies_to_hami_core_only() -> None:
     sim.shutdown()
 
 
-def test_core_scaling_applies_to_hami_core_only() -> None:
+def test_mps_caps_slots_at_the_client_limit_and_scales_like_hami_core() -> None:
+    sim = node(A100, 1)
+    (capped,) = discover(sim, DeviceConfig().allowed_profiles, "mps", 100, 1.5, core_scaling=2)
+    (under,) = discover(sim, DeviceConfig().allowed_profiles, "mps", 10, 1.0)
+    assert (capped.count, capped.devmem, capped.devcore, capped.mode) == (48, 61440, 200, "mps")
+    assert under.count == 10
+    cfg = DeviceConfig(device_split_count=100, device_memory_scaling=1.5)
+    assert [(d.count, d.devmem) for d in simulated_devices("n", A100, 1, "mps", cfg)] == [
+        (48, 61440)
+    ]
+    sim.shutdown()
+
+
+def test_core_scaling_applies_to_shared_gpus_not_mig() -> None:
     sim = node(A100, 1)
     (core,) = discover(sim, DeviceConfig().allowed_profiles, "hami-core", 4, 1.0, core_scaling=2)
     (mig,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 4, 1.0, core_scaling=2)

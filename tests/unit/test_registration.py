@@ -10,6 +10,7 @@ import pytest
 from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.keys import NODE_REGISTER
 from api.hami.register import decode
+from node_agent.mps import MpsDaemons, SimulatedMps
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from node_agent.registration import HANDSHAKE, Registrar
 from tests.node_agent_fakes import FakeKube
@@ -75,3 +76,78 @@ def test_scheduler_handshake_request_is_answered(backend: SimulatedNvml) -> None
     kube.merge_patch(PATH, {"metadata": {"annotations": {HANDSHAKE: "Requesting_2024.05.06"}}})
     assert r.sync()
     assert kube.annotations(PATH)[HANDSHAKE].startswith("Reported ")
+
+
+# mps ------------------------------------------------------------------------------------
+
+
+def mps_registrar(
+    kube: FakeKube, backend: SimulatedNvml, cfg: DeviceConfig, mps: MpsDaemons | None
+) -> Registrar:
+    return Registrar(
+        NODE, kube, backend, cfg, now=lambda: datetime(2024, 5, 6, tzinfo=UTC), mps=mps
+    )
+
+
+@pytest.mark.parametrize(
+    ("cfg", "count"),
+    [
+        (DeviceConfig(nodeconfig=(NodeConfig(NODE, "mps", 100),)), 48),
+        (DeviceConfig(nodeconfig=(NodeConfig(NODE, "mps", 10),)), 10),
+        (DeviceConfig(device_split_count=100, nodeconfig=(NodeConfig(NODE, "mps"),)), 48),
+        (DeviceConfig(nodeconfig=(NodeConfig(NODE, "mps"),)), 10),  # the default split
+    ],
+)
+def test_mps_gpus_register_at_most_the_client_limit_of_slots(
+    backend: SimulatedNvml, cfg: DeviceConfig, count: int
+) -> None:
+    kube = FakeKube()
+    kube.put(PATH, {"metadata": {"name": NODE}})
+    mps = MpsDaemons(SimulatedMps(node_name=NODE), node_name=NODE)
+    r = mps_registrar(kube, backend, cfg, mps)
+    mps.sync(r.mps_gpus())
+    r.sync()
+    devices = decode(kube.annotations(PATH)[NODE_REGISTER])
+    assert [(d.mode, d.count, d.health, d.devmem, d.devcore) for d in devices] == [
+        ("mps", count, True, 40960, 100)
+    ] * 2
+    assert '"mode":"mps"' in kube.annotations(PATH)[NODE_REGISTER]
+
+
+def test_mps_memory_and_core_scaling_apply_as_for_hami_core(backend: SimulatedNvml) -> None:
+    node = NodeConfig(NODE, "mps", device_memory_scaling=1.5, device_core_scaling=2.0)
+    cfg = DeviceConfig(nodeconfig=(node,))
+    mps = MpsDaemons(SimulatedMps(node_name=NODE), node_name=NODE)
+    devices = mps_registrar(FakeKube(), backend, cfg, mps).devices()
+    assert [(d.devmem, d.devcore) for d in devices] == [(61440, 200)] * 2
+
+
+def test_an_mps_gpu_is_unhealthy_while_its_daemon_is_down_and_republished(
+    backend: SimulatedNvml,
+) -> None:
+    kube = FakeKube()
+    kube.put(PATH, {"metadata": {"name": NODE}})
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "mps"),))
+    sim = SimulatedMps(node_name=NODE)
+    mps = MpsDaemons(sim, node_name=NODE)
+    r = mps_registrar(kube, backend, cfg, mps)
+    gpus = r.mps_gpus()
+    assert gpus == (backend.device(0).uuid, backend.device(1).uuid)
+    mps.sync(gpus)
+    r.sync()
+    sim.crash(gpus[1])
+    mps.sync(gpus)
+    assert r.sync()
+    assert [d.health for d in decode(kube.annotations(PATH)[NODE_REGISTER])] == [True, False]
+    mps.sync(gpus)  # restarted
+    assert r.sync()
+    assert [d.health for d in decode(kube.annotations(PATH)[NODE_REGISTER])] == [True, True]
+
+
+def test_an_mps_node_without_a_daemon_manager_vouches_for_no_gpu(backend: SimulatedNvml) -> None:
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "mps"),))
+    assert [d.health for d in mps_registrar(FakeKube(), backend, cfg, None).devices()] == [
+        False,
+        False,
+    ]
+    assert registrar(FakeKube(), backend, mode="hami-core").mps_gpus() == ()

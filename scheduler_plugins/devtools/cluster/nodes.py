@@ -32,7 +32,7 @@ import yaml
 from api.errors import InvalidConfigError
 from api.hami.catalog import UnknownModelError, find_model, simulated_register_json
 from api.hami.config import DeviceConfig, load_config_file
-from api.hami.keys import GPU_MODES, NODE_REGISTER, GpuMode
+from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, NODE_REGISTER, GpuMode
 from scheduler_plugins.devtools.cluster.errors import ClusterError, ProfileError
 from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
 from scheduler_plugins.devtools.progress import Progress
@@ -215,6 +215,8 @@ def _labels(raw: object, where: str) -> dict[str, str]:
 def node_object(name: str, group: NodeGroup, config: DeviceConfig, *, now: float) -> dict[str, Any]:
     """The Node a kwok fake GPU node is created as (status included)."""
     split = config.node(name).device_split_count or config.device_split_count
+    if group.mode == "mps":
+        split = min(split, MPS_MAX_CLIENTS)  # the slots each GPU registers
     resources = {
         "cpu": group.cpu,
         "memory": group.memory,
