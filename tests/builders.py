@@ -26,6 +26,22 @@ def gpu(
     return GpuDevice(uuid, index, count, mem, cores, type, numa, healthy, "hami-core")
 
 
+def mps_gpu(
+    uuid: str,
+    *,
+    index: int = 0,
+    count: int = 10,
+    mem: int = 8192,
+    cores: int = 100,
+    type: str = "NVIDIA Tesla V100-PCIE-32GB",
+    healthy: bool = True,
+    numa: int = 0,
+) -> GpuDevice:
+    """A GPU as an MPS node registers it: ``count`` client slots (at most ``MPS_MAX_CLIENTS``),
+    memory and cores like hami-core, ``health`` false while its MPS control daemon is down."""
+    return GpuDevice(uuid, index, count, mem, cores, type, numa, healthy, "mps")
+
+
 def mig_gpu(
     uuid: str, model: str = "A100-PCIE-40GB", *, index: int = 0, config: DeviceConfig | None = None
 ) -> GpuDevice:

@@ -5,23 +5,25 @@ floats, nothing shared with the engine but the state it reads and the MIG choice
 (``mig_policy``, tested on their own). The engine's verdicts, failure reasons and planned
 devices must equal what this finds on any state; it is slow and for tests only.
 
-Per node, container by container (pod order), on each path the pod's modes allow:
+Per node, container by container (pod order), on each path the pod's modes allow (hami-core,
+MIG and MPS: a container's devices all come from one):
 
 - the GPUs a pod considers: healthy, no inconsistent or legacy MIG devices, not cordoned,
-  allowed by its type/UUID selectors, of a mode it names (MPS GPUs are not offered);
-- hami-core: a GPU fits a device when it has a free slot, the memory, the cores, is unused if
-  the device asks every core of it, and (mutex) has nothing on it;
+  allowed by its type/UUID selectors, of a mode it names (any, when it names none);
+- hami-core and MPS alike: a GPU fits a device when it has a free slot (MPS: a client slot,
+  as many as it registers), the memory, the cores, is unused if the device asks every core of
+  it, and (mutex) has nothing on it;
 - MIG: each device takes the smallest profile with the memory and cores asked that has a
   free placement (the choice table), on the best GPU, which counts it before the next device;
 - the best GPU: by the GPU policy's keys (the highest NUMA node first when numa leads, the GPU
   score by binpack/spread, the highest NUMA node breaking score ties when numa follows or the
   policy is a single name), then the higher position (GPUs are in index order);
-  topology-aware picks by pair scores among the hami-core GPUs that fit; numa-bind evaluates
-  the container on one NUMA node at a time, the highest first (the lowest for the single
-  name binpack).
+  topology-aware picks by pair scores among the hami-core (or MPS) GPUs that fit; numa-bind
+  evaluates the container on one NUMA node at a time, the highest first (the lowest for the
+  single name binpack).
 
-The path with the better sum (hami-core on a tie) takes the container, and its devices count
-for the pod's next containers.
+The path with the better sum (on a tie hami-core, then MIG, then MPS) takes the container, and
+its devices count for the pod's next containers.
 """
 
 from __future__ import annotations
@@ -214,16 +216,14 @@ def _node(state: ClusterState, node: str, request: PodRequest) -> Verdict:
             b |= Reason.TYPE
         if not _uuid_ok(gp.uuid, request):
             b |= Reason.UUID
-        accepted = allowed is None or gp.mode in allowed
-        if not accepted:
+        if allowed is not None and gp.mode not in allowed:
             b |= Reason.MODE
-        elif gp.mode == "mps":
-            b |= Reason.MPS
         if not b and gp.mode == "mig" and gp.geometry is None:
             b |= Reason.MIG_NO_PROFILE
         bits[gp.pos] = b
     core_gpus = [gp for gp in gpus if not bits[gp.pos] and gp.mode == "hami-core"]
     mig_gpus = [gp for gp in gpus if not bits[gp.pos] and gp.mode == "mig"]
+    mps_gpus = [gp for gp in gpus if not bits[gp.pos] and gp.mode == "mps"]
     pairs = state.nodes[node].pair_scores if request.gpu_policy.topology_aware else None
     order = _Order(request)
     node_bits = 0
@@ -242,6 +242,10 @@ def _node(state: ClusterState, node: str, request: PodRequest) -> Verdict:
             )
         if mig_gpus:
             paths.append((mig_gpus, lambda gs: _mig(gs, c, sign, order, request)))  # noqa: B023
+        if mps_gpus:  # MPS GPUs fit and score as hami-core ones do
+            paths.append(
+                (mps_gpus, lambda gs: _core(gs, c, sign, order, request, pairs))  # noqa: B023
+            )
         for eligible, run in paths:
             found, why, extra = run(eligible)
             if request.numa_bind:

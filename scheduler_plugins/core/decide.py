@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -86,7 +87,7 @@ class PodPlan:
 class _ContainerPlan:
     request: ContainerRequest
     rows: I64  # [S, count], -1 where none
-    mig_rank: I64  # [S, count], -1 for hami-core devices
+    mig_rank: I64  # [S, count], -1 for shared (hami-core, MPS) devices
     mig_start: I64  # [S, count]
     gpu_score: F64  # [S, count] GPU score (usage including this request)
 
@@ -342,7 +343,8 @@ class _Masks:
     ok_types: B | None  # by type id
     uuid_ok: B | None  # by GPU row
     blocked: bool
-    pairs: F64 | None = None  # topology-aware: GPU pair scores of the hami-core table [P, W, W]
+    # topology-aware: GPU pair scores [P, W, W] of each shared path's table, by its mode
+    pairs: Mapping[GpuMode, F64] = field(default_factory=dict)
 
 
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
@@ -368,7 +370,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
                 or [True],
                 np.bool_,
             )
-        pairs = _pair_scores(state, layout, owned) if request.gpu_policy.topology_aware else None
+        pairs = _pair_scores(state, layout, owned) if request.gpu_policy.topology_aware else {}
         masks = _Masks(ok_types, uuid_ok, bool(state.gpus.blocked[:n].any()), pairs)
         score = _node_scores(state, layout)
         feasible, evaluated = _feasible(state, layout, request, masks, owned, score, preference)
@@ -381,8 +383,8 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
 # can, and a GPU no earlier container of the pod touched is as it was. Hence, with D devices
 # planned before container c (at most D GPUs touched):
 #   sure:     some path has >= count(c) + D fitting GPUs          (untouched ones suffice)
-#   possible: some path has >= count(c) fitting GPUs (hami-core: distinct cards) or >= 1 (MIG:
-#             one card can take several instances)
+#   possible: some path has >= count(c) fitting GPUs (hami-core, MPS: distinct cards) or >= 1
+#             (MIG: one card can take several instances)
 # A node is feasible if every container is sure, infeasible if one is not possible; only the
 # nodes in between get the full evaluation. Single-container pods (apart from MIG with several
 # devices) have none in between.
@@ -416,7 +418,7 @@ def _feasible(
         per_path = counts.get(key)
         if per_path is None:
             per_path = counts[key] = [p.fit_counts(c) for p in paths]
-        # The first container's count is exact on hami-core, and on MIG for one device.
+        # The first container's count is exact on hami-core and MPS, and on MIG for one device.
         exact = before == 0 and (c.count == 1 or not any(p.mig for p in paths))
         sure_c = np.zeros(S, np.bool_)
         possible_c = sure_c if exact else np.zeros(S, np.bool_)
@@ -457,15 +459,17 @@ def _paths(
     kept_usage: bool = False,
     why: bool = False,
 ) -> list[_Path]:
-    """The request's paths (hami-core, MIG: the allowed ones with GPUs), over the whole tables
-    or only the rows of segments ``segs``. ``kept_usage``: the paths read the usage each table
-    keeps (``_kept_usage``; ``src`` is the state, the tables' scratch is owned) and must not
-    count devices in it."""
-    allow_core, allow_mig = rules.modes(request.modes)
+    """The request's paths (hami-core, MIG, MPS: those of the modes offered to it, with GPUs;
+    in this order, which breaks ties between them), over the whole tables or only the rows of
+    segments ``segs``. ``kept_usage``: the paths read the usage each table keeps
+    (``_kept_usage``; ``src`` is the state, the tables' scratch is owned) and must not count
+    devices in it."""
+    offered = rules.modes(request.modes)
     paths: list[_Path] = []
-    for allow, table, mig in ((allow_core, layout.core, False), (allow_mig, layout.mig, True)):
-        if not allow or table is None or not table.nodes.size:
+    for mode, table in layout.tables():
+        if mode not in offered or table is None or not table.nodes.size:
             continue
+        mig = mode == "mig"
         memo = table.scratch.memo if owned else None
         if segs is None:
             scratch = table.scratch if owned else Scratch()
@@ -479,7 +483,7 @@ def _paths(
                     table,
                     masks,
                     request,
-                    mig=mig,
+                    mode=mode,
                     scratch=scratch,
                     memo=memo,
                     usage=usage,
@@ -495,7 +499,7 @@ def _paths(
                     sub,
                     masks,
                     request,
-                    mig=mig,
+                    mode=mode,
                     scratch=Scratch(),
                     memo=memo,
                     full=table,
@@ -507,7 +511,7 @@ def _paths(
 
 def _kept_usage(state: ClusterState, table: PathTable, mig: bool) -> tuple[F64, F64, F64, I64]:
     """The state's usage columns gathered into ``table`` [P, W] (used slots, memory, cores, MIG
-    mask; an empty mask for hami-core), kept with the table and refreshed where pods changed
+    mask; an empty mask for shared GPUs), kept with the table and refreshed where pods changed
     rows since: gathering 40k-row columns is most of what a decision costs otherwise. Only the
     table's ok positions are kept current. Call while owning the table's scratch; read-only."""
     memo = table.scratch.memo
@@ -806,7 +810,7 @@ def _merged(kept: _PathResult | None, res: _PathResult) -> _PathResult:
 
 
 class _Path:
-    """One path's (hami-core or MIG) GPUs for one decision: usage gathered into the path's
+    """One path's (hami-core, MPS or MIG) GPUs for one decision: usage gathered into the path's
     dense per-node table (or some of its rows) once; containers' planned devices are counted in
     it (never the state's). The last evaluation (fit and GPU scores per position) is kept with
     the positions changed since, so a container asking the same as the previous one is
@@ -824,7 +828,7 @@ class _Path:
         masks: _Masks,
         request: PodRequest,
         *,
-        mig: bool,
+        mode: GpuMode,
         scratch: Scratch,
         memo: dict[Any, Any] | None,
         full: PathTable | None = None,
@@ -838,10 +842,12 @@ class _Path:
         self.mutex = policy.mutex
         self.numa_rank = policy.numa_rank
         self.numa_ascending = policy.numa_groups_ascending
-        # topology-aware hami-core devices: the rows' GPU pair scores [P, W, W]
+        mig = mode == "mig"
+        # topology-aware shared devices: the rows' GPU pair scores [P, W, W]
         self.pairs: F64 | None = None
-        if policy.topology_aware and not mig and masks.pairs is not None:
-            self.pairs = masks.pairs if isinstance(table, PathTable) else masks.pairs[table.sel]
+        pairs = masks.pairs.get(mode) if policy.topology_aware and not mig else None
+        if pairs is not None:
+            self.pairs = pairs if isinstance(table, PathTable) else pairs[table.sel]
         self.src = src
         self.table = table
         self.full = full  # the table ``table`` is some rows of; None: ``table`` is full
@@ -955,7 +961,7 @@ class _Path:
                 self.cores.ravel()[fp] += c.cores
             self._dirty.append(fp)
 
-    # --- hami-core ---
+    # --- shared GPUs (hami-core, MPS) ---
 
     def _core_columns(self, pos: I64 | None) -> _Columns:
         """Capacities, ok and usage (slots, memory, cores) of every position or of ``pos``."""
@@ -1449,12 +1455,18 @@ def _reasons(
     return out
 
 
-def _pair_scores(state: ClusterState, layout: Layout, owned: bool) -> F64 | None:
-    """The hami-core table's GPU pair scores [P, W, W] (``hami.io/node-nvidia-score``; 0 where
-    a node has none), kept with the table until any node's scores change."""
-    table = layout.core
-    if table is None:
-        return None
+def _pair_scores(state: ClusterState, layout: Layout, owned: bool) -> dict[GpuMode, F64]:
+    """Each shared path's table's GPU pair scores [P, W, W], by its mode."""
+    return {
+        mode: _table_pair_scores(state, layout, table, owned)
+        for mode, table in layout.tables()
+        if mode in rules.SHARED_MODES and table is not None and table.nodes.size
+    }
+
+
+def _table_pair_scores(state: ClusterState, layout: Layout, table: PathTable, owned: bool) -> F64:
+    """``table``'s GPU pair scores [P, W, W] (``hami.io/node-nvidia-score``; 0 where a node has
+    none), kept with the table until any node's scores change."""
     memo = table.scratch.memo if owned else {}
     kept = memo.get("pairs")
     if kept is not None and kept[0] == state.pair_scores_version:
@@ -1528,10 +1540,6 @@ def _node_scores(state: ClusterState, layout: Layout) -> F64:
         cpu,
         at=layout.node_idx,
     )
-
-
-def mode_of_plan(plan: PodPlan) -> GpuMode:
-    return "mig" if any(d.mig_profile for c in plan.containers for d in c) else "hami-core"
 
 
 __all__ = ["Decision", "PlannedDevice", "PodPlan", "decide"]

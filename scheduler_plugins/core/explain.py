@@ -18,7 +18,9 @@ from scheduler_plugins.core.state import ClusterState, Layout
 
 _MAX_NODES_LISTED = 3
 _MAX_GPUS_LISTED = 4
-_REASON_BITS = len(Reason)  # a (class, reasons) group as one integer: class << this | reasons
+# A (class, reasons) group as one integer: class << this | reasons. The highest bit, not the
+# count of reasons: a retired reason leaves its bit unused.
+_REASON_BITS = max(int(r) for r in Reason).bit_length()
 
 
 def node_class(state: ClusterState, node: str) -> str:

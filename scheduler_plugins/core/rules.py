@@ -3,9 +3,9 @@
 - which GPUs a pod considers at all (``modes``, ``type_allowed``, ``uuid_allowed``,
   ``static_reasons``): healthy, no inconsistent MIG reservations, allowed by the pod's
   type/UUID selectors and of a mode the pod accepts;
-- when a GPU fits one device (``core_checks`` for hami-core, ``mig_checks`` for MIG): every
-  condition with the reason it stands for, so the verdict and its explanation come from the
-  same lines;
+- when a GPU fits one device (``core_checks`` for the shared modes, hami-core and MPS;
+  ``mig_checks`` for MIG): every condition with the reason it stands for, so the verdict and
+  its explanation come from the same lines;
 - the GPU score (``gpu_score``) and the node score (``node_score``), the seed's formulas;
 - the memory a device asks of a GPU (``request_memory``).
 
@@ -51,7 +51,7 @@ class Reason(IntFlag):
     MIG_CONFLICT = 1 << 13
     TOO_FEW_FITTING = 1 << 14
     CORDONED = 1 << 15
-    MPS = 1 << 16
+    # 1 << 16 was "MPS GPU: not offered yet"; left unused so that the other bits keep theirs.
     MIG_LEGACY = 1 << 17
     MUTEX = 1 << 18
     NUMA = 1 << 19
@@ -74,7 +74,6 @@ REASON_TEXT: Final[dict[Reason, str]] = {
     Reason.MIG_CONFLICT: "inconsistent MIG reservations on GPU (fail closed)",
     Reason.TOO_FEW_FITTING: "fewer fitting GPUs than requested",
     Reason.CORDONED: "GPU cordoned (hami.io/device-cordon)",
-    Reason.MPS: "MPS GPU: not offered yet (Tessera schedules hami-core and MIG GPUs)",
     Reason.MIG_LEGACY: (
         "GPU holds MIG instances HAMi <= v2.9 placed (legacy device strings): no new work until "
         "their pods end (fail closed)"
@@ -99,6 +98,12 @@ class Amounts(NamedTuple):
 MODE_CODES: Final[tuple[GpuMode, ...]] = ("hami-core", "mig", "mps")
 """A GPU's mode as a small integer (its index here), as the state keeps it per GPU."""
 
+SHARED_MODES: Final[tuple[GpuMode, ...]] = ("hami-core", "mps")
+"""The modes whose GPUs are shared by count, memory and cores (``core_checks``, the devices
+written as ``UUID,NVIDIA,MiB,cores``): an MPS GPU is accounted exactly like a hami-core one,
+within what it registers (its ``count`` already carries the MPS client limit). The rest, MIG,
+is shared by profiles and placements."""
+
 
 Check = tuple[Reason | I64, B]
 """A condition a GPU must meet, and the reason it fails where the condition does not hold
@@ -108,12 +113,10 @@ Check = tuple[Reason | I64, B]
 # ----- which GPUs a pod considers ------------------------------------------------------------
 
 
-def modes(allowed: frozenset[GpuMode] | None) -> tuple[bool, bool]:
-    """(hami-core GPUs offered, MIG GPUs offered) to a pod whose ``nvidia.com/vgpu-mode``
-    names ``allowed`` (None: it names none, any GPU). MPS GPUs are not offered yet."""
-    if allowed is None:
-        return True, True
-    return "hami-core" in allowed, "mig" in allowed
+def modes(allowed: frozenset[GpuMode] | None) -> frozenset[GpuMode]:
+    """The GPU modes offered to a pod whose ``nvidia.com/vgpu-mode`` names ``allowed`` (None:
+    it names none, and the unified pool offers every mode)."""
+    return frozenset(MODE_CODES) if allowed is None else allowed
 
 
 def type_allowed(gpu_type: str, use: Sequence[str], nouse: Sequence[str]) -> bool:
@@ -153,13 +156,13 @@ def static_reasons(
 
     A GPU with inconsistent MIG reservations (``conflict``), or holding MIG devices of HAMi <=
     v2.9 whose placement is unknown (``legacy``), is refused as a whole (fail closed); so is a
-    cordoned one. ``mode``: ``MODE_CODES`` per GPU. A GPU of a mode the pod names (or any, when
-    it names none) but not offered (MPS) says so; a MIG GPU the pod could use whose node
-    registers no allowed profile has no MIG profile for any request.
+    cordoned one, and an unhealthy one (for MPS GPUs also while the MPS control daemon is down).
+    ``mode``: ``MODE_CODES`` per GPU; a GPU of a mode not offered to the pod (``modes``) is
+    refused; a MIG GPU the pod could use whose node registers no allowed profile has no MIG
+    profile for any request.
     """
-    allow_core, allow_mig = modes(allowed)
-    accepted = np.array([allowed is None or m in allowed for m in MODE_CODES], np.bool_)[mode]
-    offered = np.array([allow_core, allow_mig, False], np.bool_)[mode]
+    offered = modes(allowed)
+    accepted = np.array([m in offered for m in MODE_CODES], np.bool_)[mode]
     is_mig = mode == MODE_CODES.index("mig")
     bits = _bits(~healthy, Reason.UNHEALTHY)
     bits |= _bits(healthy & (conflict > 0), Reason.MIG_CONFLICT)
@@ -168,7 +171,6 @@ def static_reasons(
     bits |= _bits(~type_ok, Reason.TYPE)
     bits |= _bits(~uuid_ok, Reason.UUID)
     bits |= _bits(~accepted, Reason.MODE)
-    bits |= _bits(accepted & ~offered, Reason.MPS)
     eligible_mig = (bits == 0) & is_mig
     bits |= _bits(eligible_mig & ~has_geometry, Reason.MIG_NO_PROFILE)
     return bits
@@ -180,8 +182,8 @@ def static_reasons(
 def request_memory(
     mem_mib: int, mem_percent: int, gpu_mem: F64, out: F64 | None = None
 ) -> F64 | float:
-    """The MiB one hami-core device asks of each GPU: ``gpumem``, else ``gpumem-percentage``
-    of the GPU's memory (rounded down)."""
+    """The MiB one shared (hami-core or MPS) device asks of each GPU: ``gpumem``, else
+    ``gpumem-percentage`` of the GPU's memory (rounded down)."""
     if mem_mib:
         return float(mem_mib)
     if out is None:
@@ -201,9 +203,10 @@ def core_checks(
     mutex: bool = False,
     out: tuple[B, B, F64] | None = None,
 ) -> Iterator[Check]:
-    """The conditions for a hami-core GPU (capacity ``cap``, in use ``used``) to take one
-    device: a free vGPU slot, the memory, the cores, and an unused GPU when the device asks
-    every core of it, or (``mutex``, the ``mutex`` GPU policy) whatever it asks.
+    """The conditions for a shared GPU (hami-core or MPS; capacity ``cap``, in use ``used``)
+    to take one device: a free vGPU slot (on MPS a client slot), the memory, the cores, and
+    an unused GPU when the device asks every core of it, or (``mutex``, the ``mutex`` GPU
+    policy) whatever it asks.
 
     ``exclusive_possible`` False says no GPU looked at has as few cores as the device asks
     (the last condition then holds everywhere and is skipped). With ``out`` (two bool arrays
@@ -371,7 +374,9 @@ def _bits(mask: B, reason: Reason) -> I64:
 
 
 __all__ = [
+    "MODE_CODES",
     "REASON_TEXT",
+    "SHARED_MODES",
     "Amounts",
     "Check",
     "Reason",

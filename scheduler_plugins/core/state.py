@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from api.hami.config import DeviceConfig
+from api.hami.keys import GpuMode
 from api.hami.nodes import PairScores
 from api.hami.register import GpuDevice, MigProfile, Placement
 from scheduler_plugins.core.mig_policy import (
@@ -226,7 +227,7 @@ class GpuArrays:
 
 
 _GPU_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(GpuArrays))
-_CORE, _MIG = MODE_CODES.index("hami-core"), MODE_CODES.index("mig")
+_CORE, _MIG, _MPS = (MODE_CODES.index(m) for m in ("hami-core", "mig", "mps"))
 
 
 class ClusterState:
@@ -651,7 +652,8 @@ class ClusterState:
 
 @dataclass(frozen=True, eq=False)
 class PathTable:
-    """One placement path's GPUs (hami-core, or MIG with a geometry) as a dense per-node table.
+    """One placement path's GPUs (hami-core, MPS, or MIG with a geometry) as a dense per-node
+    table.
 
     Row ``i`` is segment ``nodes[i]``; column ``j`` its j-th GPU; entries that are not a
     healthy live GPU of the path (padding, other mode, unhealthy) have ``ok`` False and
@@ -783,8 +785,16 @@ class Layout:
     name_rank: npt.NDArray[np.int64]  # [S] position of the name in sorted order
     core: PathTable | None = None  # healthy live hami-core GPUs
     mig: PathTable | None = None  # healthy live MIG GPUs with a geometry
+    # Healthy live MPS GPUs: a path of their own (one container's devices are of one mode),
+    # evaluated by the same code as hami-core's.
+    mps: PathTable | None = None
     # Per-segment work arrays of decisions (see ``Scratch``); its lock guards the tables' too.
     scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
+
+    def tables(self) -> tuple[tuple[GpuMode, PathTable | None], ...]:
+        """The placement paths' tables by mode, in the order the engine weighs them (the
+        earlier wins a tie)."""
+        return (("hami-core", self.core), ("mig", self.mig), ("mps", self.mps))
 
     @staticmethod
     def of(state: ClusterState) -> Layout:
@@ -812,6 +822,7 @@ class Layout:
         healthy = live & g.healthy[:n_rows]
         core = PathTable.of(state, n_rows, rows_t, ok_t, healthy & (mode == _CORE), geoms=False)
         mig = PathTable.of(state, n_rows, rows_t, ok_t, healthy & mig_live, geoms=True)
+        mps = PathTable.of(state, n_rows, rows_t, ok_t, healthy & (mode == _MPS), geoms=False)
         names = tuple(e.name for e in entries)
         name_rank = np.empty(len(names), np.int64)
         name_rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
@@ -831,6 +842,7 @@ class Layout:
             name_rank=name_rank,
             core=core,
             mig=mig,
+            mps=mps,
         )
 
 

@@ -4,8 +4,8 @@ Reads what the API shows (nodes and pods) and, for the local dev cluster, the kw
 agent's simulated NVML state files, and reports every broken invariant as a ``Violation``:
 
 - ``mig-overlap``: two MIG reservations share memory slices of one GPU.
-- ``over-capacity``: a GPU's vGPU slots, memory or (hami-core) cores are over-committed, or
-  its usage went negative (a pod counted off twice).
+- ``over-capacity``: a GPU's vGPU slots (on MPS GPUs: client slots), memory or (hami-core and
+  MPS) cores are over-committed, or its usage went negative (a pod counted off twice).
 - ``bad-annotations``: a bound GPU pod's allocation annotations are missing, undecodable or
   inconsistent (wrong node, wrong mode, illegal MIG placement, no runtime identity after
   ``bind-phase: success``, ...).
@@ -45,6 +45,7 @@ from api.hami.devices import (
     decode_devices,
     decode_mig_allocations,
 )
+from api.hami.keys import GpuMode
 from api.hami.register import GpuDevice, Placement
 from api.kube.errors import ApiError, KubeError
 from api.kube.objects import all_containers, annotations_of, pod_key
@@ -55,7 +56,7 @@ from scheduler_plugins.core.requests import (
     parse_allocation,
     parse_request,
 )
-from scheduler_plugins.core.rules import modes
+from scheduler_plugins.core.rules import MODE_CODES, SHARED_MODES, modes
 from scheduler_plugins.core.state import ClusterState
 
 Obj = Mapping[str, Any]
@@ -223,8 +224,8 @@ def rebuild_state(
 
 def capacity_violations(state: ClusterState) -> list[Violation]:
     """Per GPU: no overlapping MIG placements (nor MIG reservations beside MIG slots HAMi <= v2.9
-    placed), slots ≤ count, memory ≤ devmem, and for shared GPUs cores ≤ devcore (MIG profiles'
-    core shares may add up past 100)."""
+    placed), slots ≤ count, memory ≤ devmem, and for shared GPUs (hami-core, MPS) cores ≤
+    devcore (MIG profiles' core shares may add up past 100)."""
     out: list[Violation] = []
     g = state.gpus
     for name, entry in sorted(state.nodes.items()):
@@ -257,11 +258,15 @@ def capacity_violations(state: ClusterState) -> list[Violation]:
                 over(f"{g.used_slots[r]:.0f} vGPUs > count {d.count}")
             if g.used_mem[r] > d.devmem:
                 over(f"{g.used_mem[r]:.0f} MiB > devmem {d.devmem}")
-            if d.mode != "mig" and g.used_cores[r] > d.devcore:
+            if d.mode in SHARED_MODES and g.used_cores[r] > d.devcore:
                 over(f"{g.used_cores[r]:.0f}% cores > devcore {d.devcore}")
             if min(g.used_slots[r], g.used_mem[r], g.used_cores[r]) < 0:
                 over("negative usage (a pod counted off twice?)")
     return out
+
+
+def _named(offered: frozenset[GpuMode]) -> str:
+    return ",".join(m for m in MODE_CODES if m in offered)
 
 
 def annotation_violations(
@@ -306,7 +311,7 @@ def annotation_violations(
     if len(devices) != len(all_containers(pod)):
         bad(f"{len(devices)} container entries for {len(all_containers(pod))} containers")
     mig_slots = {(m.container_index, m.device_index): m for m in mig}
-    allow_core, allow_mig = modes(request.modes)
+    offered = modes(request.modes)
     for c in request.containers:
         got = devices[c.index] if c.index < len(devices) else ()
         if len(got) != c.count:
@@ -327,8 +332,8 @@ def annotation_violations(
                     bad(f"shared device on {gpu.mode} GPU {gpu.index}")
                 if d.mem != c.mem_for(gpu.devmem) or d.cores != c.cores:
                     bad(f"device {d.uuid}: {d.mem} MiB {d.cores}% for request {c}")
-                if not allow_core:
-                    bad("asked for MIG, got a shared vGPU")
+                if gpu.mode != "mig" and gpu.mode not in offered:
+                    bad(f"asked for {_named(offered)}, got a {gpu.mode} device")
             else:
                 if gpu.mode != "mig":
                     bad(f"MIG device on {gpu.mode} GPU {gpu.index}")
@@ -343,8 +348,8 @@ def annotation_violations(
                     bad(f"{m.profile} ({profile.memory_mb} MiB) below {c.mem_for(gpu.devmem)} MiB")
                 if m.runtime is None:
                     bad(f"MIG device {m.profile}@{m.placement} has no runtime identity")
-                if not allow_mig:
-                    bad("asked for hami-core, got a MIG device")
+                if "mig" not in offered:
+                    bad(f"asked for {_named(offered)}, got a MIG device")
         shared = [u for di, u in enumerate(uuids) if (c.index, di) not in mig_slots]
         if len(set(shared)) != len(shared):
             bad(f"container {c.name}: one GPU twice ({shared})")

@@ -2,8 +2,9 @@
 
 - ``StateCollector``: HAMi's per-GPU allocation gauges (``hami_gpu_*``, ``hami_node_gpu_*``),
   ``hami_node_gpu_mig_instance_info`` for every MIG instance with a complete runtime identity,
-  HAMi's per-container gauges (``hami_vgpu_*``), the GPUs that take no new work
-  (``tessera_gpu_unavailable``) and the reservations held, all read from the plugin server's
+  HAMi's per-container gauges (``hami_vgpu_*``), every GPU's sharing mode
+  (``tessera_gpu_info``), the GPUs that take no new work (``tessera_gpu_unavailable``) and the
+  reservations held, all read from the plugin server's
   ``ClusterState`` at scrape time. Nothing is updated per event: one short hold of the
   cache's lock copies the usage columns and the list of pod allocations, and the text is
   rendered outside it, column by column. Label text depends only on the state's layout
@@ -16,7 +17,9 @@
 HAMi's families keep HAMi's names, HELP texts, label names, the constant ``zone="vGPU"``
 label, sorted label order and Go's number format (``1``, ``4.294967296e+10``) — what HAMi's
 Go client writes — so dashboards built on HAMi's scheduler read Tessera's unchanged.
-Tessera's own families are named ``tessera_scheduler_*``.
+Tessera's own families are named ``tessera_scheduler_*`` and ``tessera_gpu_*``; those per GPU
+use the label names of HAMi's per-GPU families, so they join with them on
+``device_uuid``/``node``.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ CONTAINER_LABEL_NAMES: Final = (
 )
 GPU_UNAVAILABLE: Final = "tessera_gpu_unavailable"
 # Why a whole GPU takes no new work (each a ``reason`` label value of GPU_UNAVAILABLE).
-UNAVAILABLE_REASONS: Final = ("legacy_mig", "cordoned", "mig_conflict")
+UNAVAILABLE_REASONS: Final = ("legacy_mig", "cordoned", "mig_conflict", "unhealthy")
+GPU_INFO: Final = "tessera_gpu_info"
 
 DECISION_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # PreBind may wait (bounded by --prebind-wait) for an ambiguous pod on the node.
@@ -152,7 +156,7 @@ def escape_label_value(value: str) -> str:
 # ----- the state, copied under the lock ------------------------------------------------------
 
 
-LabelLayout = Literal["gpu", "gpu_cores", "overview", "gpu_untyped"]
+LabelLayout = Literal["gpu", "gpu_cores", "overview", "gpu_untyped", "gpu_mode"]
 
 # Label names per layout, sorted (the order Go's client writes them in).
 LABEL_NAMES: Final[dict[LabelLayout, tuple[str, ...]]] = {
@@ -168,6 +172,8 @@ LABEL_NAMES: Final[dict[LabelLayout, tuple[str, ...]]] = {
         "zone",
     ),
     "gpu_untyped": ("device_index", "device_uuid", "node", "zone"),
+    # Tessera's: "gpu" and the GPU's mode
+    "gpu_mode": ("device_index", "device_type", "device_uuid", "mode", "node", "zone"),
 }
 
 MIG_LABEL_NAMES: Final = (
@@ -219,12 +225,14 @@ class GpuRows:
     uuids: list[str]
     indices: list[str]
     types: list[str]
+    modes: list[str]
     mig_devices: dict[tuple[str, str], int]  # (node, GPU UUID) -> index, GPUs in MIG mode
     # Label text in UTF-8, the pieces the families' label sets are made of:
     gpu_text: list[bytes]  # index_text + typed_text
     index_text: list[bytes]  # 'device_index="0",'
     typed_text: list[bytes]  # 'device_type="…",device_uuid="…",node="…",zone="vGPU"} '
     untyped_text: list[bytes]  # 'device_uuid="…",node="…",zone="vGPU"} '
+    mode_text: list[bytes]  # 'device_type="…",device_uuid="…",mode="…",node="…",zone="vGPU"} '
     cores_text: list[bytes]  # 'device_cores="100",'
     memory_text: list[bytes]  # 'device_memory_limit="40960",'
 
@@ -235,6 +243,7 @@ class GpuRows:
         uuids: list[str] = []
         indices: list[str] = []
         types: list[str] = []
+        modes: list[str] = []
         mig_devices: dict[tuple[str, str], int] = {}
         for name, start, devices in sorted(layout.nodes):
             for i, d in sorted(enumerate(devices), key=lambda iv: iv[1].index):
@@ -243,6 +252,7 @@ class GpuRows:
                 uuids.append(d.id)
                 indices.append(str(d.index))
                 types.append(d.type)
+                modes.append(d.mode)
                 if d.mode == "mig":
                     mig_devices[(name, d.id)] = d.index
         row_arr = np.array(rows, np.int64)
@@ -262,6 +272,11 @@ class GpuRows:
         typed_text = [
             f'device_type="{e(t)}",'.encode() + u for t, u in zip(types, untyped, strict=True)
         ]
+        mode_text = [
+            f'device_type="{e(t)}",device_uuid="{e(u)}",mode="{m}",node="{e(n)}",'
+            f'zone="{ZONE}"}} '.encode()
+            for t, u, m, n in zip(types, uuids, modes, nodes, strict=True)
+        ]
         return GpuRows(
             layout_version=layout.version,
             rows=row_arr,
@@ -271,11 +286,13 @@ class GpuRows:
             uuids=uuids,
             indices=indices,
             types=types,
+            modes=modes,
             mig_devices=mig_devices,
             gpu_text=[i + t for i, t in zip(index_text, typed_text, strict=True)],
             index_text=index_text,
             typed_text=typed_text,
             untyped_text=untyped,
+            mode_text=mode_text,
             cores_text=[one(b'device_cores="%s",' % v) for v in go_floats(cores)],
             memory_text=[one(b'device_memory_limit="%s",' % v) for v in go_floats(memory_mib)],
         )
@@ -289,6 +306,8 @@ class GpuRows:
             return (self.cores_text, self.gpu_text)
         if layout == "overview":
             return (self.cores_text, self.index_text, self.memory_text, self.typed_text)
+        if layout == "gpu_mode":
+            return (self.index_text, self.mode_text)
         return (self.index_text, self.untyped_text)
 
     def label_values(self, layout: LabelLayout, i: int) -> tuple[str, ...]:
@@ -302,6 +321,8 @@ class GpuRows:
         if layout == "overview":
             memory = go_float(float(self.memory_mib[i]))
             return (cores, index, memory, self.types[i], uuid, node, ZONE)
+        if layout == "gpu_mode":
+            return (index, self.types[i], uuid, self.modes[i], node, ZONE)
         return (index, uuid, node, ZONE)
 
 
@@ -458,10 +479,12 @@ class StateSnapshot:
     mig_pods: tuple[_MigLines, ...]
     mig_lines: tuple[bytes, ...]  # every pod's, each once
     reservations_held: int | None
-    # Per GPU row: devices HAMi <= v2.9 placed on MIG, cordoned, inconsistent MIG records.
+    # Per GPU row: devices HAMi <= v2.9 placed on MIG, cordoned, inconsistent MIG records,
+    # registered healthy (an MPS GPU is not while its MPS control daemon is down).
     legacy: npt.NDArray[np.int32]
     cordoned: npt.NDArray[np.bool_]
     conflict: npt.NDArray[np.int32]
+    healthy: npt.NDArray[np.bool_]
     containers: tuple[_ContainerLines, ...] = ()
 
     def mig_instances(self) -> tuple[MigInstance, ...]:
@@ -579,6 +602,14 @@ GPU_GAUGES: Final = (
     ),
 )
 
+# Tessera's: which sharing method each registered GPU is in (HAMi's families do not say).
+GPU_INFO_GAUGE: Final = GpuGauge(
+    GPU_INFO,
+    "1 for every registered GPU, by its mode: hami-core, mig or mps",
+    "gpu_mode",
+    lambda s: np.ones(len(s.gpus.rows)),
+)
+
 
 def _gpu_family(gauge: GpuGauge, snap: StateSnapshot) -> RenderedGauge | None:
     rows = snap.gpus
@@ -666,12 +697,15 @@ def _unavailable_family(snap: StateSnapshot) -> GaugeMetricFamily | None:
         GPU_UNAVAILABLE,
         "1 for a GPU that takes no new work, by reason: legacy_mig (it holds MIG devices HAMi "
         "<= v2.9 placed, whose placement is unknown), cordoned (hami.io/device-cordon), "
-        "mig_conflict (its MIG records overlap or are inconsistent)",
+        "mig_conflict (its MIG records overlap or are inconsistent), unhealthy (its node "
+        "registers it unhealthy; an MPS GPU while its MPS control daemon is down)",
         labels=(*LABEL_NAMES["gpu"], "reason"),
     )
     rows = snap.gpus
     for reason, flags in zip(
-        UNAVAILABLE_REASONS, (snap.legacy > 0, snap.cordoned, snap.conflict > 0), strict=True
+        UNAVAILABLE_REASONS,
+        (snap.legacy > 0, snap.cordoned, snap.conflict > 0, ~snap.healthy),
+        strict=True,
     ):
         for i in np.flatnonzero(flags).tolist():
             family.add_metric([*rows.label_values("gpu", i), reason], 1.0)
@@ -714,7 +748,7 @@ class StateCollector(Collector):
                 layout = LayoutCopy.of(state)
             g = state.gpus
             used = (g.used_slots.copy(), g.used_mem.copy(), g.used_cores.copy())
-            blocked = (g.legacy.copy(), g.cordoned.copy(), g.conflict.copy())
+            blocked = (g.legacy.copy(), g.cordoned.copy(), g.conflict.copy(), g.healthy.copy())
             allocations = list(state.allocations())
             held = self._reservations.held() if self._reservations is not None else None
         if layout is not None:
@@ -724,7 +758,7 @@ class StateCollector(Collector):
         mig_pods = self._mig(allocations, rows)
         # Two pods claiming one instance would be an inconsistent state; export it once.
         lines = tuple(dict.fromkeys(line for pod in mig_pods for line in pod.lines))
-        legacy, cordoned, conflict = blocked
+        legacy, cordoned, conflict, healthy = blocked
         containers = self._containers(allocations)
         return StateSnapshot(
             rows,
@@ -737,6 +771,7 @@ class StateCollector(Collector):
             legacy[rows.rows],
             cordoned[rows.rows],
             conflict[rows.rows],
+            healthy[rows.rows],
             containers,
         )
 
@@ -771,7 +806,7 @@ class StateCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         names = [g.name for g in GPU_GAUGES]
-        names += [MIG_INSTANCE_INFO, VGPU_MEMORY, VGPU_CORES, GPU_UNAVAILABLE]
+        names += [MIG_INSTANCE_INFO, VGPU_MEMORY, VGPU_CORES, GPU_INFO, GPU_UNAVAILABLE]
         if self._reservations is not None:
             names.append(RESERVATIONS_HELD)
         return [GaugeMetricFamily(n, "") for n in names]
@@ -781,6 +816,7 @@ class StateCollector(Collector):
         families: list[Metric | None] = [_gpu_family(g, snap) for g in GPU_GAUGES]
         families.append(_mig_family(snap))
         families.extend(_container_families(snap))
+        families.append(_gpu_family(GPU_INFO_GAUGE, snap))
         families.append(_unavailable_family(snap))
         if snap.reservations_held is not None:
             families.append(

@@ -2,27 +2,32 @@
 
 The webhook rejects only requests no registered node could ever satisfy, so every figure
 here is an upper bound: the most devices one container can get on one node and the largest
-memory one device can have, per requested GPU mode. ``NodeFactsStore`` keeps them current
-from the nodes' list+watch; with no registered node yet the facts are unknown and the
-cluster checks are skipped.
+memory one device can have, per set of GPU modes a pod may accept (of hami-core, MIG, MPS).
+``NodeFactsStore`` keeps them current from the nodes' list+watch; with no registered node yet
+the facts are unknown and the cluster checks are skipped.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
 from api.errors import InvalidAnnotationError
-from api.hami.keys import NODE_REGISTER, GpuMode
+from api.hami.keys import GPU_MODES, NODE_REGISTER, GpuMode
 from api.hami.register import GpuDevice, MigProfile, decode
 
 log = structlog.get_logger("tessera.webhook.facts")
 
-RequestMode = GpuMode | None  # None: the pod names no nvidia.com/vgpu-mode (either kind)
+RequestMode = GpuMode | frozenset[GpuMode] | None
+"""The GPU modes a pod accepts: one, several (``nvidia.com/vgpu-mode: hami-core,mps``), or
+None when it names none (the unified pool: every mode)."""
+
+_EVERY_MODE: Final = frozenset(GPU_MODES)
 
 
 @dataclass(frozen=True, order=True)
@@ -36,12 +41,12 @@ class LargestGpu:
 
 @dataclass(frozen=True)
 class NodeCapacity:
-    """Upper bounds for one container's devices on one node."""
+    """Upper bounds for one container's devices on one node, per GPU mode: how many (shared
+    modes, hami-core and MPS: distinct GPUs; MIG: the instances the node's MIG GPUs can hold
+    at the same time) and the largest memory one device can have (None: no GPU of the mode)."""
 
-    core_devices: int  # hami-core GPUs: a container's devices there are distinct GPUs
-    mig_devices: int  # MIG instances the node's mig-mode GPUs can hold at the same time
-    core_largest: LargestGpu | None  # largest hami-core GPU
-    mig_largest: LargestGpu | None  # largest MIG profile
+    devices: Mapping[GpuMode, int]
+    largest: Mapping[GpuMode, LargestGpu | None]
 
 
 def max_disjoint_placements(profile: MigProfile) -> int:
@@ -55,19 +60,28 @@ def max_disjoint_placements(profile: MigProfile) -> int:
 
 
 def node_capacity(node: str, devices: Sequence[GpuDevice]) -> NodeCapacity:
-    core = [d for d in devices if d.mode != "mig"]
-    mig = [d for d in devices if d.mode == "mig"]
-    # Each MIG device also takes one of its GPU's vGPU slots.
-    mig_devices = sum(
-        min(d.count, max((max_disjoint_placements(p) for p in d.mig_profiles), default=0))
-        for d in mig
-    )
-    core_largest = max((LargestGpu(d.devmem, d.type, node) for d in core), default=None)
-    mig_largest = max(
-        (LargestGpu(p.memory_mb, f"{d.type} {p.name}", node) for d in mig for p in d.mig_profiles),
-        default=None,
-    )
-    return NodeCapacity(len(core), mig_devices, core_largest, mig_largest)
+    counts: dict[GpuMode, int] = {}
+    largest: dict[GpuMode, LargestGpu | None] = {}
+    for mode in GPU_MODES:
+        gpus = [d for d in devices if d.mode == mode]
+        if mode == "mig":
+            # Each MIG device also takes one of its GPU's vGPU slots.
+            counts[mode] = sum(
+                min(d.count, max((max_disjoint_placements(p) for p in d.mig_profiles), default=0))
+                for d in gpus
+            )
+            largest[mode] = max(
+                (
+                    LargestGpu(p.memory_mb, f"{d.type} {p.name}", node)
+                    for d in gpus
+                    for p in d.mig_profiles
+                ),
+                default=None,
+            )
+        else:
+            counts[mode] = len(gpus)
+            largest[mode] = max((LargestGpu(d.devmem, d.type, node) for d in gpus), default=None)
+    return NodeCapacity(counts, largest)
 
 
 @dataclass(frozen=True)
@@ -82,31 +96,39 @@ class ModeLimit:
 @dataclass(frozen=True)
 class ClusterFacts:
     nodes: int = 0  # nodes with a readable register annotation
-    limits: Mapping[RequestMode, ModeLimit] = field(default_factory=dict)
+    # By the set of modes a pod accepts (every non-empty one).
+    limits: Mapping[frozenset[GpuMode], ModeLimit] = field(default_factory=dict)
 
     @property
     def known(self) -> bool:
         return self.nodes > 0
 
     def limit(self, mode: RequestMode) -> ModeLimit:
+        if mode is None:
+            mode = _EVERY_MODE
+        elif isinstance(mode, str):
+            mode = frozenset((mode,))
         return self.limits.get(mode) or ModeLimit(0, None)
 
     @staticmethod
     def of(capacities: Iterable[NodeCapacity]) -> ClusterFacts:
+        """The best node per set of modes: for several, the node's devices of all of them
+        together (an upper bound: the scheduler gives one container devices of one mode) and
+        the largest device of any."""
         caps = list(capacities)
         if not caps:
             return UNKNOWN
-
-        def largest(items: Iterable[LargestGpu | None]) -> LargestGpu | None:
-            return max((i for i in items if i is not None), default=None)
-
-        core = ModeLimit(max(c.core_devices for c in caps), largest(c.core_largest for c in caps))
-        mig = ModeLimit(max(c.mig_devices for c in caps), largest(c.mig_largest for c in caps))
-        either = ModeLimit(
-            max(c.core_devices + c.mig_devices for c in caps),
-            largest([core.largest, mig.largest]),
-        )
-        return ClusterFacts(len(caps), {"hami-core": core, "mig": mig, None: either})
+        limits: dict[frozenset[GpuMode], ModeLimit] = {}
+        for size in range(1, len(GPU_MODES) + 1):
+            for subset in itertools.combinations(GPU_MODES, size):
+                limits[frozenset(subset)] = ModeLimit(
+                    max(sum(c.devices[m] for m in subset) for c in caps),
+                    max(
+                        (big for c in caps for m in subset if (big := c.largest[m]) is not None),
+                        default=None,
+                    ),
+                )
+        return ClusterFacts(len(caps), limits)
 
 
 UNKNOWN = ClusterFacts()

@@ -19,7 +19,8 @@ Rules, in the order a user meets them:
   count gets the config's default count (``nvidia.com/gpu: 1``) in its limits and requests;
   requests that no GPU could ever satisfy are refused (400): the same validation the
   scheduler applies (``pods.parse_request``: whole numbers, ranges, annotations) plus, when
-  nodes are known, more devices than any node holds or more memory than any GPU has.
+  nodes are known, more devices than any node holds or more memory than any GPU has, among
+  the GPUs of the modes the pod accepts (hami-core, MIG, MPS; every mode when it names none).
 - From the device config, as HAMi's webhook: ``runtimeClassName`` on Tessera's pods that name
   none; with ``overwriteEnv``, ``NVIDIA_VISIBLE_DEVICES=none`` on their containers that ask
   for no GPU.
@@ -34,9 +35,10 @@ from typing import Any, Final, Literal, cast
 from api.errors import InvalidRequestError
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
+from api.hami.keys import GPU_MODES, GpuMode
 from scheduler_plugins.core.requests import PodRequest, parse_request
 from scheduler_plugins.core.rules import modes
-from scheduler_plugins.webhook.facts import ClusterFacts, RequestMode
+from scheduler_plugins.webhook.facts import ClusterFacts
 
 DEFAULT_SCHEDULER: Final = "default-scheduler"
 TESSERA_SCHEDULER: Final = "hami-scheduler"
@@ -258,21 +260,25 @@ def _device_config_settings(pod: Mapping[str, Any], config: DeviceConfig) -> lis
     return ops
 
 
+# What a pod asks for, by the modes offered to it (in ``GPU_MODES`` order when several).
+_KIND: Final[dict[GpuMode, str]] = {"hami-core": "hami-core GPU", "mig": "MIG", "mps": "MPS GPU"}
+
+
 def _impossible(request: PodRequest, facts: ClusterFacts, config: DeviceConfig) -> list[str]:
-    """Requests larger than anything a registered node holds (nothing when none is known)."""
+    """Requests larger than anything a registered node holds (nothing when none is known),
+    among the GPUs of the modes offered to the pod (every mode when it names none)."""
     if not facts.known:
         return []
-    allow_core, allow_mig = modes(request.modes)
-    if not (allow_core or allow_mig):
-        return []  # MPS only: not offered yet, the pod waits with that reason (not refused)
-    mode: RequestMode = None if allow_core and allow_mig else "hami-core" if allow_core else "mig"
-    limit = facts.limit(mode)
-    kind = {None: "GPU", "hami-core": "hami-core GPU", "mig": "MIG"}[mode]
+    offered = modes(request.modes)
+    every = offered == frozenset(GPU_MODES)
+    limit = facts.limit(offered)
+    named = [m for m in GPU_MODES if m in offered]
+    kind = "GPU" if every else " or ".join(_KIND[m] for m in named)
     if limit.devices == 0 or limit.largest is None:
-        if mode is None:
+        if every:
             return [f"none of the {facts.nodes} node(s) with registered GPUs can hold a device"]
         return [
-            f"the pod asks for {kind} devices ({ann.VGPU_MODE}: {mode}), but none of "
+            f"the pod asks for {kind} devices ({ann.VGPU_MODE}: {','.join(named)}), but none of "
             f"the {facts.nodes} node(s) with registered GPUs has one; use another mode or "
             "leave the annotation out"
         ]

@@ -127,8 +127,6 @@ def test_new_pods_are_placed_by_hamis_rules_around_what_hami_left(cluster: E2ECl
     [
         # every MIG GPU holds a HAMi <= v2.9 slot whose placement is unknown: no new work
         ("mig-pod", {ann.VGPU_MODE: "mig"}, "MIG instances HAMi <= v2.9 placed"),
-        # MPS GPUs are read and counted, not offered
-        ("mps-pod", {ann.VGPU_MODE: "mps"}, "MPS GPU: not offered yet"),
     ],
 )
 def test_what_hami_left_keeps_new_pods_off_and_says_why(
@@ -188,3 +186,13 @@ def test_nothing_hami_left_is_lost_or_allocated_twice(cluster: E2ECluster) -> No
     assert node_of(cluster.pod(name)) == ""
     report = cluster_report(cluster)
     assert report.ok, str(report)
+
+
+def test_an_mps_pod_joins_what_hami_left_on_its_mps_node(cluster: E2ECluster) -> None:
+    """HAMi's mps registration is served by Tessera's agent: an MPS pod lands there, counted
+    beside the pod HAMi placed (spread: not on the GPU that pod holds)."""
+    mps = cluster.registers[MPS]
+    pod = _place(cluster, "mps-pod", {ann.VGPU_MODE: "mps"})
+    assert node_of(pod) == MPS
+    [gpu] = _gpus(pod)
+    assert gpu in {d.id for d in mps} and gpu != mps[0].id

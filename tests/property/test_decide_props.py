@@ -26,7 +26,7 @@ from api.hami import keys as ann
 from api.hami.catalog import MODELS
 from api.hami.config import DeviceConfig
 from api.hami.devices import DeviceAlloc
-from api.hami.keys import GpuMode
+from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
 from api.hami.register import GpuDevice
 from scheduler_plugins.core.decide import Decision, _evaluate, decide
 from scheduler_plugins.core.explain import _free_intervals, explain, node_class
@@ -41,11 +41,20 @@ MIG_MODELS = tuple(m for m in MODELS if m.mig_capable and CFG.allowed_profiles(m
 
 
 @st.composite
-def gpus(draw: st.DrawFn, node: int, index: int) -> GpuDevice:
+def gpus(draw: st.DrawFn, node: int, index: int, mps_node: bool) -> GpuDevice:
+    """A GPU of any mode; on an MPS node (``mps_node``) an MPS GPU, as its node agent
+    registers them all (its count capped at ``MPS_MAX_CLIENTS``, unhealthy while its control
+    daemon is down)."""
     uuid = f"GPU-{node}-{index}"
     count = draw(st.sampled_from([1, 2, 4, 10]))
     healthy = draw(st.booleans() | st.just(True))
     numa = draw(st.integers(0, 1))
+    if mps_node:
+        model = draw(st.sampled_from(MODELS))
+        clients = min(draw(st.sampled_from([1, 2, 4, 10, 64])), MPS_MAX_CLIENTS)
+        return GpuDevice(
+            uuid, index, clients, model.memory_mib, 100, model.name, numa, healthy, "mps"
+        )
     if draw(st.booleans()):
         model = draw(st.sampled_from(MIG_MODELS))
         allowed = set(CFG.allowed_profiles(model.name))
@@ -54,7 +63,7 @@ def gpus(draw: st.DrawFn, node: int, index: int) -> GpuDevice:
             uuid, index, count, model.memory_mib, 100, model.name, numa, healthy, "mig", profiles
         )
     model = draw(st.sampled_from(MODELS))
-    mode: GpuMode = draw(st.sampled_from(["hami-core"] * 5 + ["mps"]))
+    mode: GpuMode = draw(st.sampled_from(["hami-core"] * 3 + ["mps"]))
     return GpuDevice(uuid, index, count, model.memory_mib, 100, model.name, numa, healthy, mode)
 
 
@@ -64,7 +73,8 @@ def clusters(draw: st.DrawFn) -> ClusterState:
     holding a device HAMi <= v2.9 placed on MIG, some nodes with GPU pair scores."""
     state = ClusterState(CFG)
     for n in range(draw(st.integers(1, 6))):
-        devices = tuple(draw(gpus(n, i)) for i in range(draw(st.integers(0, 4))))
+        mps_node = draw(st.integers(0, 3)) == 0
+        devices = tuple(draw(gpus(n, i, mps_node)) for i in range(draw(st.integers(0, 4))))
         uuids = [d.id for d in devices]
         cordoned = frozenset(
             draw(st.lists(st.sampled_from(uuids), max_size=1))
@@ -121,7 +131,18 @@ def requests(draw: st.DrawFn, i: int) -> PodRequest:
             cores=draw(st.sampled_from([None, 0, 30, 100])),
         )
     mode = draw(
-        st.sampled_from([None, "hami-core", "mig", "mps", "hami-core,mig", "mps,hami-core"])
+        st.sampled_from(
+            [
+                None,
+                "hami-core",
+                "mig",
+                "mps",
+                "hami-core,mig",
+                "mps,hami-core",
+                "mig,mps",
+                "hami-core,mig,mps",
+            ]
+        )
     )
     if mode:
         pod.annotate(ann.VGPU_MODE, mode)

@@ -1,12 +1,12 @@
 """The same state gives the same node everywhere: ``tessera simulate``, the live plugin server
 (its PreFilter ranking, through gRPC) and the benchmarks' ``decide(...).best_node()``.
 
-Random clusters (hami-core and MIG GPUs of the catalog's models, some unhealthy) and random pod
-sequences; each pod is placed by simulate from the YAML files a user would write, and offered
-by the server fed the same Node objects, which then reserves the node it ranks first, so both
-states move together. Every step: the same node (or both unschedulable with the same
-explanation), that node has the top score the server gives kube-scheduler, and the same device
-annotations.
+Random clusters (hami-core, MIG and MPS GPUs of the catalog's models, some unhealthy; some nodes
+all MPS) and random pod sequences; each pod is placed by simulate from the YAML files a user
+would write, and offered by the server fed the same Node objects, which then reserves the node
+it ranks first, so both states move together. Every step: the same node (or both unschedulable
+with the same explanation), that node has the top score the server gives kube-scheduler, and
+the same device annotations.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def pods(draw: st.DrawFn, i: int) -> dict[str, Any]:
             pct=draw(st.sampled_from([10, 25, 50])) if memory == "pct" else None,
             cores=draw(st.sampled_from([None, 0, 30, 100])),
         )
-    mode = draw(st.sampled_from([None, "hami-core", "mig"]))
+    mode = draw(st.sampled_from([None, "hami-core", "mig", "mps", "hami-core,mps"]))
     if mode:
         pod.annotate(ann.VGPU_MODE, mode)
     for key in (ann.NODE_POLICY, ann.GPU_POLICY):
@@ -70,10 +70,12 @@ def pods(draw: st.DrawFn, i: int) -> dict[str, Any]:
 
 @st.composite
 def clusters(draw: st.DrawFn) -> list[tuple[str, tuple[GpuDevice, ...]]]:
-    return [
-        (f"node-{n}", tuple(draw(gpus(n, i)) for i in range(draw(st.integers(1, 3)))))
-        for n in range(draw(st.integers(1, 6)))
-    ]
+    out = []
+    for n in range(draw(st.integers(1, 6))):
+        mps_node = draw(st.integers(0, 3)) == 0
+        devices = tuple(draw(gpus(n, i, mps_node)) for i in range(draw(st.integers(1, 3))))
+        out.append((f"node-{n}", devices))
+    return out
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

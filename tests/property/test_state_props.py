@@ -3,9 +3,10 @@
 - The incremental state equals one rebuilt from scratch (what a restart does) after every
   operation: node add / re-register / remove, pod add / update / remove on existing or missing
   nodes, assume / forget — in usage and in the decisions taken from it.
-- Placing random pods one after another never over-commits a GPU, never overlaps two MIG
-  placements, only uses legal placements of registered, allowlisted profiles, and never calls a
-  pod unschedulable while a node could obviously take it.
+- Placing random pods one after another (on hami-core, MIG and MPS nodes) never over-commits a
+  GPU (MPS: its client slots, memory and cores), never overlaps two MIG placements, only uses
+  legal placements of registered, allowlisted profiles and GPUs of a mode the pod accepts, and
+  never calls a pod unschedulable while a node could obviously take it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from api.hami import keys as ann
 from api.hami.catalog import MODELS, GpuModel
 from api.hami.config import DeviceConfig
 from api.hami.devices import DeviceAlloc, MigAllocation
+from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
 from api.hami.register import GpuDevice, MigProfile, Placement
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.requests import PodAllocation, PodRequest, parse_request
@@ -45,7 +47,7 @@ def gpu(
     uuid: str,
     index: int,
     model: GpuModel,
-    mode: str,
+    mode: GpuMode,
     *,
     count: int = 10,
     health: bool = True,
@@ -62,7 +64,7 @@ def gpu(
         type=model.name,
         numa=0,
         health=health,
-        mode="mig" if mode == "mig" else "hami-core",
+        mode=mode,
         mig_profiles=profiles,
     )
 
@@ -98,7 +100,7 @@ def node_devices(draw: st.DrawFn) -> tuple[GpuDevice, ...]:
     uuids = draw(st.lists(st.sampled_from(UUIDS), min_size=n, max_size=n, unique=True))
     out = []
     for i, uuid in enumerate(uuids):
-        mode = draw(st.sampled_from(["hami-core", "mig"]))
+        mode: GpuMode = draw(st.sampled_from(["hami-core", "mig", "mps"]))
         model = draw(st.sampled_from(MIG_MODELS if mode == "mig" else MODELS))
         profiles = None
         if mode == "mig" and draw(st.booleans()):
@@ -189,6 +191,7 @@ ops = st.one_of(
 
 PROBES = (
     pod("probe-core", [{"gpu": 1, "gpumem": 4000, "cores": 20}], {ann.VGPU_MODE: "hami-core"}),
+    pod("probe-mps", [{"gpu": 1, "gpumem": 4000, "cores": 20}], {ann.VGPU_MODE: "mps"}),
     pod("probe-mig", [{"gpu": 1, "gpumem": 9000}], {ann.VGPU_MODE: "mig"}),
     pod(
         "probe-any",
@@ -275,10 +278,10 @@ def test_incremental_state_equals_rebuilt(steps: list[Op]) -> None:
 def clusters(draw: st.DrawFn) -> ClusterState:
     state = ClusterState(CONFIG)
     for n in range(draw(st.integers(1, 5))):
-        mode = draw(st.sampled_from(["hami-core", "mig"]))
+        mode: GpuMode = draw(st.sampled_from(["hami-core", "mig", "mps"]))
         count = draw(st.integers(1, 4))
         model = draw(st.sampled_from(MIG_MODELS if mode == "mig" else MODELS))
-        split = draw(st.sampled_from([10, 10, 4, 2]))
+        split = draw(st.sampled_from([10, 10, 4, 2, MPS_MAX_CLIENTS if mode == "mps" else 10]))
         devices = tuple(gpu(f"GPU-n{n}-{i}", i, model, mode, count=split) for i in range(count))
         state.upsert_node(f"node-{n}", devices, cpu_milli=32_000, memory_bytes=2**38)
     return state
@@ -299,7 +302,7 @@ def pod_specs(draw: st.DrawFn, i: int) -> dict[str, Any]:
             c["cores"] = cores
         containers.append(c)
     annotations: dict[str, str] = {}
-    mode = draw(st.sampled_from([None, "hami-core", "mig"]))
+    mode = draw(st.sampled_from([None, "hami-core", "mig", "mps", "hami-core,mps"]))
     if mode:
         annotations[ann.VGPU_MODE] = mode
     for key in (ann.NODE_POLICY, ann.GPU_POLICY):
@@ -328,16 +331,19 @@ def check_plan(state: ClusterState, request: PodRequest, plan: PodPlan) -> None:
         assert len(planned) == c.count
         core_uuids = [d.uuid for d in planned if d.mig_profile is None]
         assert len(set(core_uuids)) == len(core_uuids), f"{plan.pod}: a GPU twice in {c.name}"
+        modes = {devices[d.uuid].mode for d in planned}
+        assert len(modes) <= 1, f"{plan.pod}: {c.name}'s devices of several modes: {modes}"
         for d in planned:
             dev = devices[d.uuid]
             assert dev.health
             if request.use_types:
                 assert any(t.upper() in dev.type.upper() for t in request.use_types)
+            assert request.modes is None or dev.mode in request.modes
             if d.mig_profile is None:
-                assert dev.mode == "hami-core" and request.modes in (None, frozenset({"hami-core"}))
+                assert dev.mode in ("hami-core", "mps")
                 assert (d.mem, d.cores) == (c.mem_for(dev.devmem), c.cores)
             else:
-                assert dev.mode == "mig" and request.modes in (None, frozenset({"mig"}))
+                assert dev.mode == "mig"
                 prof = next(p for p in dev.mig_profiles if p.name == d.mig_profile)
                 assert prof.memory_mb >= c.mem_for(dev.devmem) and prof.core >= c.cores
 
@@ -397,14 +403,15 @@ def check_cluster(state: ClusterState, allocs: list[PodAllocation]) -> None:
         dev = next(d for d in state.nodes[node].devices if d.id == uuid)
         assert u.slots <= dev.count, f"{node}/{uuid}: {u.slots} slots > {dev.count}"
         assert u.mem <= dev.devmem, f"{node}/{uuid}: {u.mem} MiB > {dev.devmem}"
-        if dev.mode == "hami-core":
+        if dev.mode != "mig":
             # MIG profile cores are rounded up (7× A100 1g = 105%): slices bound MIG GPUs.
             assert u.cores <= dev.devcore, f"{node}/{uuid}: {u.cores}% cores > {dev.devcore}"
 
 
 def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: PodRequest) -> bool:
-    """Oracle for single-container pods: some node has ``count`` GPUs that each fit alone
-    (hami-core), or one MIG GPU with a free legal placement (a one-device MIG request)."""
+    """Oracle for single-container pods: some node has ``count`` GPUs of one shared mode
+    (hami-core or MPS) that each fit alone, or one MIG GPU with a free legal placement (a
+    one-device MIG request)."""
     if len(request.containers) != 1:
         return False
     c = request.containers[0]
@@ -419,7 +426,7 @@ def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: Po
             u = use.setdefault(m.gpu_uuid, GpuUse())
             u.slots += 1
     for entry in state.nodes.values():
-        fitting = 0
+        fitting = {"hami-core": 0, "mps": 0}
         for dev in entry.devices:
             if request.use_types and not any(
                 t.upper() in dev.type.upper() for t in request.use_types
@@ -427,15 +434,16 @@ def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: Po
                 continue
             u = use.get(dev.id, GpuUse())
             mem = c.mem_for(dev.devmem)
-            if dev.mode == "hami-core" and request.modes in (None, frozenset({"hami-core"})):
-                fitting += (
+            accepted = request.modes is None or dev.mode in request.modes
+            if dev.mode in fitting and accepted:
+                fitting[dev.mode] += (
                     u.slots < dev.count
                     and dev.devmem - u.mem >= mem
                     and dev.devcore - u.cores >= c.cores
                     and u.cores < dev.devcore
                     and (c.cores < dev.devcore or u.slots == 0)
                 )
-            elif dev.mode == "mig" and request.modes in (None, frozenset({"mig"})) and c.count == 1:
+            elif dev.mode == "mig" and accepted and c.count == 1:
                 allowed = set(CONFIG.allowed_profiles(dev.type))
                 mask = masks.get(dev.id, 0)
                 if u.slots < dev.count and any(
@@ -446,7 +454,7 @@ def obviously_fits(state: ClusterState, allocs: list[PodAllocation], request: Po
                     for p in dev.mig_profiles
                 ):
                     return True
-        if fitting >= c.count:
+        if max(fitting.values()) >= c.count:
             return True
     return False
 

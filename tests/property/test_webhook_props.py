@@ -1,6 +1,7 @@
 """Fuzzing the admission webhook: whatever arrives, the answer is an HTTP 400 naming the
 problem or a well-formed AdmissionReview response, never an exception; and its patches
-apply, and are stable (a patched pod needs no further patch).
+apply, and are stable (a patched pod needs no further patch). Its cluster checks never refuse
+a pod the scheduler would place (on random clusters of hami-core, MIG and MPS GPUs).
 
 Each test counts the cases it tried and prints the count (``pytest -s`` shows it).
 """
@@ -22,6 +23,8 @@ from hypothesis import strategies as st
 
 from api.hami import keys as ann
 from api.hami.register import MigProfile, Placement
+from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.state import ClusterState
 from scheduler_plugins.webhook.app import WebhookApp
 from scheduler_plugins.webhook.certs import ensure_serving_pki
 from scheduler_plugins.webhook.facts import (
@@ -31,9 +34,10 @@ from scheduler_plugins.webhook.facts import (
     node_capacity,
 )
 from scheduler_plugins.webhook.review import Answer, answer
-from scheduler_plugins.webhook.rules import Settings, asks_tessera
+from scheduler_plugins.webhook.rules import Settings, _impossible, asks_tessera
 from tests.builders import gpu, mig_gpu
 from tests.jsonpatch import apply_patch
+from tests.property.test_decide_props import CFG, clusters, requests
 
 TRUSTED = "ops"
 SETTINGS = Settings(trusted_users=frozenset({TRUSTED}))
@@ -345,3 +349,18 @@ def test_max_disjoint_placements_is_optimal(placements: list[Placement]) -> None
 
     profile = MigProfile("p", 1000, 10, 1, tuple(placements))
     assert max_disjoint_placements(profile) == brute_force()
+
+
+@settings(max_examples=150, deadline=None)
+@given(clusters(), st.data())
+def test_the_cluster_checks_never_refuse_what_the_scheduler_places(
+    state: ClusterState, data: st.DataObject
+) -> None:
+    """The facts are upper bounds: a pod some node fits passes, whatever modes it names."""
+    facts = ClusterFacts.of(
+        node_capacity(name, entry.devices) for name, entry in state.nodes.items() if entry.devices
+    )
+    for i in range(3):
+        request = data.draw(requests(i), label=f"pod {i}")
+        if decide(state, request).feasible_count():
+            assert _impossible(request, facts, CFG) == [], request

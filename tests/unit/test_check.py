@@ -555,6 +555,70 @@ def legacy(name: str) -> Obj:
     )
 
 
+# MPS GPUs: counted like hami-core ones -------------------------------------------------------
+
+MPSN = node_object("mpsn", NodeGroup(MODEL, gpus_per_node=2, mode="mps"), DeviceConfig(), now=0)
+MPS_GPUS = _gpus(MPSN)
+
+
+def client(
+    name: str, gpu: int = 0, mem: int = 10000, cores: int = 0, mode: str = "mps", node: str = "mpsn"
+) -> Obj:
+    """A pod the scheduler placed on an MPS GPU (or, with ``node="core"``, a hami-core one)."""
+    uuid = (MPS_GPUS if node == "mpsn" else CORE_GPUS)[gpu].id
+    return _bound(
+        name,
+        node,
+        {"nvidia.com/gpu": 1, "nvidia.com/gpumem": mem, "nvidia.com/gpucores": cores},
+        {ann.VGPU_MODE: mode, ann.DEVICES_ALLOCATED: f"{uuid},NVIDIA,{mem},{cores}:;"},
+    )
+
+
+def test_mps_clients_pass_and_count() -> None:
+    pods = [client("a", 0, 20000, 50), client("b", 0, 20000, 50), shared("c", 1)]
+    report = run([*pods, client("d", 1, mode="hami-core,mps")], nodes=(*NODES, MPSN))
+    assert report.ok, report.summary()
+    assert (report.nodes, report.gpu_pods) == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("pods", "kind", "fragment"),
+    [
+        (
+            [client("a", 0, 30000), client("b", 0, 20000)],
+            ViolationKind.OVER_CAPACITY,
+            "mpsn/GPU 0 (mps): 50000 MiB > devmem 40960",
+        ),
+        (
+            [client("a", 0, 1000, 60), client("b", 0, 1000, 60)],
+            ViolationKind.OVER_CAPACITY,
+            "mpsn/GPU 0 (mps): 120% cores > devcore 100",
+        ),
+        (
+            [client(f"p{i}", 1, 100) for i in range(11)],
+            ViolationKind.OVER_CAPACITY,
+            "mpsn/GPU 1 (mps): 11 vGPUs > count 10",
+        ),
+        (
+            [client("a", mode="hami-core")],
+            ViolationKind.BAD_ANNOTATIONS,
+            "asked for hami-core, got a mps device",
+        ),
+        (
+            [client("a", node="core")],
+            ViolationKind.BAD_ANNOTATIONS,
+            "asked for mps, got a hami-core device",
+        ),
+    ],
+    ids=["memory", "cores", "client slots", "hami-core pod on MPS", "MPS pod on hami-core"],
+)
+def test_mps_violations_are_caught(pods: list[Obj], kind: ViolationKind, fragment: str) -> None:
+    report = run(pods, nodes=(*NODES, MPSN))
+    assert [str(v) for v in report.violations if v.kind == kind and fragment in str(v)], (
+        report.summary()
+    )
+
+
 def test_what_hami_left_passes() -> None:
     mps_node = json.loads(json.dumps(CORE))
     mps_gpus = tuple(

@@ -20,7 +20,7 @@ from scheduler_plugins.core.decide import Decision, _evaluate, decide
 from scheduler_plugins.core.requests import PodAllocation, PodRequest, parse_request
 from scheduler_plugins.core.rules import Reason
 from scheduler_plugins.core.state import ClusterState, build_state
-from tests.builders import gpu, make_pod, mig_gpu, state_with
+from tests.builders import gpu, make_pod, mig_gpu, mps_gpu, state_with
 from tests.oracle import assert_agrees
 
 CFG = DeviceConfig()
@@ -86,6 +86,7 @@ TWO_CARDS: Nodes = {"n": (gpu("GPU-1", mem=1000), gpu("GPU-2", index=1, mem=1000
 MIXED: Nodes = {"n": (gpu("GPU-1", mem=8192), mig_gpu("GPU-m", index=1))}
 ONE_MIG_CARD: Nodes = {"n": (mig_gpu("GPU-m"),)}
 BOTH_MODES: Nodes = {"core": (gpu("GPU-1"),), "mig": (mig_gpu("GPU-m"),)}
+CORE_AND_MPS: Nodes = {"n": (gpu("GPU-1", mem=8192), mps_gpu("GPU-s", index=1, mem=8192))}
 FOUR_SMALL_NODES: Nodes = {f"n{i}": (gpu(f"GPU-{i}", mem=1000),) for i in range(4)}
 
 CASES = [
@@ -151,6 +152,27 @@ CASES = [
         MIXED,
         make_pod("p").gpu(1, mem=4000).gpu(1, mem=4000).build(),
         {"n"},
+        {"n"},
+    ),
+    Case(
+        "a hami-core and an MPS card: one container's devices are of one mode",
+        CORE_AND_MPS,
+        make_pod("p").gpu(2, mem=1000).build(),
+        set(),
+        set(),
+    ),
+    Case(
+        "a hami-core and an MPS card: one card each for two containers",
+        CORE_AND_MPS,
+        make_pod("p").gpu(1, mem=4000).gpu(1, mem=4000).build(),
+        {"n"},
+        {"n"},
+    ),
+    Case(
+        "MPS asked of a node with both: only the MPS card counts",
+        CORE_AND_MPS,
+        make_pod("p").gpu(1, mem=6000).gpu(1, mem=6000).mode("mps").build(),
+        set(),
         {"n"},
     ),
     Case(
@@ -268,13 +290,17 @@ def test_kept_usage_follows_pod_changes(
         f"c{i}": tuple(gpu(f"GPU-c{i}{j}", index=j, mem=4000) for j in range(4)) for i in range(5)
     }
     nodes |= {f"m{i}": tuple(mig_gpu(f"GPU-m{i}{j}", index=j) for j in range(4)) for i in range(5)}
+    nodes |= {
+        f"s{i}": tuple(mps_gpu(f"GPU-s{i}{j}", index=j, mem=4000) for j in range(4))
+        for i in range(5)
+    }
     state = _state(nodes)
     request = parse_request(make_pod("p").gpu(1, mem=3000).build(), CFG)
     placed: dict[str, PodAllocation] = {}
-    kept: list[object] = []
+    kept: list[tuple[object, ...]] = []  # per decision, each path's kept usage
     for i in range(12):
         d = decide(state, request)
-        kept += [t.scratch.memo["usage"][1] for t in (d.layout.core, d.layout.mig) if t]
+        kept.append(tuple(t.scratch.memo["usage"][1] for _, t in d.layout.tables() if t))
         rebuilt = build_state(CFG, [(n, devs, 0, 0) for n, devs in nodes.items()], placed)
         fresh = decide(rebuilt, request)
         assert d.feasible.tolist() == fresh.feasible.tolist()
@@ -291,7 +317,8 @@ def test_kept_usage_follows_pod_changes(
         if i == 4:  # one of them goes away again
             assert state.forget("ns/p1")
             del placed["ns/p1"]
-    assert (kept[0] is kept[-2] and kept[1] is kept[-1]) == refreshed_in_place
+    assert len(kept[0]) == 3  # hami-core, MIG, MPS
+    assert all(a is b for a, b in zip(kept[0], kept[-1], strict=True)) == refreshed_in_place
 
 
 def test_reasons_of_nodes_no_path_considers_are_their_static_ones() -> None:

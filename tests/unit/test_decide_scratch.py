@@ -54,7 +54,7 @@ def test_a_decision_keeps_its_arrays_while_later_ones_reuse_the_work_arrays() ->
 def test_results_share_no_memory_with_the_work_arrays() -> None:
     state = _cluster()
     layout = state.layout()
-    tables = [t for t in (layout.core, layout.mig) if t is not None]
+    tables = [t for _, t in layout.tables() if t is not None]
     for kind, r in request_mix(CFG):
         d = decide(state, r)
         best = d.best_node()

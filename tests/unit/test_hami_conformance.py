@@ -29,7 +29,7 @@ that is the same constant on every GPU, so the order is HAMi's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -38,9 +38,11 @@ import pytest
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
 from api.hami.register import GpuDevice, encode
+from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.decide import decide
 from scheduler_plugins.core.explain import explain
 from scheduler_plugins.core.requests import parse_request
+from scheduler_plugins.core.rules import Reason
 from scheduler_plugins.simulate import build_cluster
 from tests.builders import gpu, make_pod, mig_gpu
 
@@ -82,6 +84,10 @@ HELD = (
     holding("b", NODE, "GPU-1,NVIDIA,1000,10:;"),
     holding("c", NODE, "GPU-3,NVIDIA,2000,20:;"),
 )
+
+
+# The same GPUs as HAMi's device plugin registers them in mps operating mode.
+MPS_GPUS = tuple(replace(g, mode="mps") for g in GPUS)
 
 
 # Pair scores: 0-1 100, 0-2 20, 0-3 10, 1-2 10, 1-3 10, 2-3 300 (NVLink between 2 and 3).
@@ -303,6 +309,72 @@ CASES = [
         held=(holding("c", NODE, "GPU-3,NVIDIA,2000,20:;"),),
         node_annotations=PAIR_SCORES,
     ),
+    # --- MPS GPUs (HAMi's device plugin in mps mode): the same policies as hami-core ---------
+    Case("MPS: spread takes the least used GPU", expected=("GPU-2",), devices=MPS_GPUS),
+    Case(
+        "MPS: binpack, two GPUs: the two most used",
+        {GPU_POLICY: "binpack"},
+        count=2,
+        expected=("GPU-0", "GPU-3"),
+        devices=MPS_GPUS,
+    ),
+    Case(
+        "MPS: numa-bind takes both GPUs from the highest NUMA node",
+        {ann.NUMA_BIND: "true", ann.VGPU_MODE: "mps"},
+        count=2,
+        expected=("GPU-2", "GPU-3"),
+        devices=MPS_GPUS,
+    ),
+    Case(
+        "MPS: topology-aware, one GPU: the least connected",
+        {GPU_POLICY: "topology-aware", ann.VGPU_MODE: "hami-core,mps"},
+        expected=("GPU-1",),
+        held=(),
+        node_annotations=PAIR_SCORES,
+        devices=MPS_GPUS,
+    ),
+    Case(
+        "MPS: topology-aware among the GPUs that fit",
+        {GPU_POLICY: "topology-aware"},
+        count=2,
+        mem=7000,
+        expected=("GPU-0", "GPU-1"),
+        held=(holding("c", NODE, "GPU-3,NVIDIA,2000,20:;"),),
+        node_annotations=PAIR_SCORES,
+        devices=MPS_GPUS,
+    ),
+    Case(
+        "MPS: mutex takes only a GPU no client holds",
+        {GPU_POLICY: "mutex,binpack"},
+        expected=("GPU-2",),
+        devices=MPS_GPUS,
+    ),
+    Case(
+        "MPS: a cordoned GPU takes no new client",
+        node_annotations={ann.DEVICE_CORDON: "GPU-2"},
+        expected=("GPU-1",),
+        devices=MPS_GPUS,
+    ),
+    Case(  # binpack would take GPU-1 (2 of 2 clients: the highest slot share) if it fit
+        "MPS: the registered count (the client limit) bounds the clients",
+        {GPU_POLICY: "binpack"},
+        expected=("GPU-0",),
+        held=(*HELD, holding("d", NODE, "GPU-1,NVIDIA,100,0:;")),
+        devices=tuple(replace(g, count=2 if g.id == "GPU-1" else 48) for g in MPS_GPUS),
+        mem=100,
+        cores=0,
+    ),
+    Case(
+        "MPS only, on hami-core GPUs",
+        {ann.VGPU_MODE: "mps"},
+        reason="GPU mode does not match nvidia.com/vgpu-mode",
+    ),
+    Case(
+        "hami-core only, on MPS GPUs",
+        {ann.VGPU_MODE: "hami-core"},
+        reason="GPU mode does not match nvidia.com/vgpu-mode",
+        devices=MPS_GPUS,
+    ),
     # --- what HAMi <= v2.9 and v2.10 nodes leave ------------------------------------------------
     Case(
         "a GPU holding a legacy MIG slot takes no new work (stricter: v2.10 counts it free)",
@@ -342,32 +414,53 @@ def test_placement_follows_hami_v2_10(case: Case, tmp_path: Path) -> None:
         assert case.reason in why, why
 
 
-def test_modes_by_containment_and_mps_known_but_not_offered(tmp_path: Path) -> None:
-    core = gpu("GPU-c")
+@pytest.mark.parametrize(
+    ("mode", "nodes"),
+    [
+        (None, {"core", "mig", "mps"}),  # the unified pool: every mode
+        ("hami-core", {"core"}),
+        ("mig", {"mig"}),
+        ("mps", {"mps"}),
+        ("hami-core,mig", {"core", "mig"}),
+        ("mig|hami-core", {"core", "mig"}),
+        ("hami-core,mps", {"core", "mps"}),
+        ("mps-please", {"mps"}),  # containment: the value contains "mps"
+        ("mig,mps,hami-core", {"core", "mig", "mps"}),
+    ],
+)
+def test_modes_by_containment(mode: str | None, nodes: set[str], tmp_path: Path) -> None:
     mps = GpuDevice("GPU-s", 0, 10, 8192, 100, "NVIDIA Tesla V100-PCIE-32GB", 0, True, "mps")
     objects = [
-        node("core", (core,)),
+        node("core", (gpu("GPU-c"),)),
         node("mig", (mig_gpu("GPU-m"),)),
         node("mps", (mps,)),
         holding("on-mps", "mps", "GPU-s,NVIDIA,2000,0:;"),
     ]
     state, _ = build_cluster(objects, CFG, tmp_path)
-    assert state.usage_snapshot()["mps/GPU-s"][1] == 2000.0  # counted
+    assert state.usage_snapshot()["mps/GPU-s"][1] == 2000.0  # HAMi's device string, counted
+    pod = make_pod("p").gpu(1, mem=1000)
+    if mode is not None:
+        pod.annotate(ann.VGPU_MODE, mode)
+    d = decide(state, parse_request(pod.build(), CFG))
+    assert {n for i, n in enumerate(d.layout.names) if d.feasible[i]} == nodes
+    for name in {"core", "mig", "mps"} - nodes:
+        assert d.reasons[d.node_index(name)] == Reason.MODE
 
-    def feasible(mode: str | None) -> set[str]:
-        pod = make_pod("p").gpu(1, mem=1000)
-        if mode is not None:
-            pod.annotate(ann.VGPU_MODE, mode)
-        d = decide(state, parse_request(pod.build(), CFG))
-        return {n for i, n in enumerate(d.layout.names) if d.feasible[i]}
 
-    assert feasible(None) == {"core", "mig"}
-    assert feasible("hami-core,mig") == {"core", "mig"}
-    assert feasible("mig|hami-core") == {"core", "mig"}
-    assert feasible("hami-core") == {"core"}
-    d = decide(state, parse_request(make_pod("p").gpu(1, mem=1000).mode("mps").build(), CFG))
-    assert d.best_node() is None
-    assert "MPS GPU: not offered yet" in explain(d, state)
+def test_an_mps_device_is_written_as_hami_core_writes_it(tmp_path: Path) -> None:
+    """The node agent reads an MPS pod's devices as a hami-core pod's: the same bytes."""
+    state, _ = build_cluster([node(NODE, MPS_GPUS, **PAIR_SCORES)], CFG, tmp_path)
+    pod = make_pod("p").gpu(1, mem=3000, cores=25).mode("mps").build()
+    decision = decide(state, parse_request(pod, CFG))
+    plan = decision.plan_for(NODE)
+    assert plan is not None
+    (device,) = plan.containers[0]
+    written = f"{device.uuid},NVIDIA,3000,25:;"
+    assert bind_annotations(plan) == {
+        ann.VGPU_NODE: NODE,
+        ann.DEVICES_ALLOCATED: written,
+        ann.DEVICES_TO_ALLOCATE: written,
+    }
 
 
 def test_malformed_pair_scores_lose_only_the_scores(tmp_path: Path) -> None:

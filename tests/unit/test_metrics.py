@@ -34,7 +34,7 @@ from scheduler_plugins.server.metrics import (
     go_floats,
     reason_label,
 )
-from tests.builders import gpu, make_pod, mig_gpu, state_with
+from tests.builders import gpu, make_pod, mig_gpu, mps_gpu, state_with
 
 MIG_HELP = (
     "# HELP hami_node_gpu_mig_instance_info Realized MIG instance identity and scheduler placement"
@@ -240,6 +240,7 @@ def test_a_changed_identity_replaces_the_series(cache: ClusterCache) -> None:
 # ----- per-GPU gauges -------------------------------------------------------------------------
 
 V100 = "NVIDIA Tesla V100-PCIE-32GB"
+A100_40 = "NVIDIA A100-PCIE-40GB"
 GPU_LABELS = f'device_index="0",device_type="{V100}",device_uuid="GPU-10",node="node1",zone="vGPU"'
 
 
@@ -310,6 +311,63 @@ def test_gpus_that_take_no_new_work_are_exported_with_the_reason(cache: ClusterC
     cache.apply_node(node)
     assert unavailable() == set()
     assert "# TYPE tessera_gpu_unavailable gauge" in scrape(cache)
+
+
+def test_mps_gpus_are_in_hamis_families_and_every_gpu_names_its_mode(cache: ClusterCache) -> None:
+    cache.apply_node(node_obj("mps1", mps_gpu("GPU-10", count=48), mps_gpu("GPU-11", index=1)))
+    cache.apply_node(node_obj("node2", gpu("GPU-20")))
+    cache.apply_node(node_obj("mig1", mig_gpu("GPU-30")))
+    mps_pod = core_pod("a", "mps1", [("GPU-10", 2000, 30)])
+    mps_pod["metadata"]["annotations"][ann.VGPU_MODE] = "mps"
+    cache.apply_pod(mps_pod)
+    cache.apply_pod(core_pod("b", "mps1", [("GPU-10", 1000, 20)]))
+    text = scrape(cache)
+    labels = GPU_LABELS.replace("node1", "mps1")
+    # HAMi's per-GPU families: an MPS GPU exactly as a hami-core one (the same lines as in
+    # test_hami_core_pods_give_hamis_per_gpu_gauges).
+    for line in (
+        f"hami_gpu_memory_limit_bytes{{{labels}}} 8.589934592e+09",
+        f'hami_gpu_memory_allocated_bytes{{device_cores="100",{labels}}} 3.145728e+09',
+        f"hami_gpu_shared_count{{{labels}}} 2",
+        f"hami_gpu_core_allocated_ratio{{{labels}}} 50",
+    ):
+        assert line in text.splitlines(), line
+    container = (
+        'hami_vgpu_memory_allocated_bytes{container_index="0",device_uuid="GPU-10",'
+        'namespace="default",node="mps1",pod="a",zone="vGPU"} 2.097152e+09'
+    )
+    assert container in text.splitlines()
+    assert family(text, "tessera_gpu_info") == [
+        "# HELP tessera_gpu_info 1 for every registered GPU, by its mode: hami-core, mig or mps",
+        "# TYPE tessera_gpu_info gauge",
+        f'tessera_gpu_info{{device_index="0",device_type="{A100_40}",device_uuid="GPU-30",'
+        'mode="mig",node="mig1",zone="vGPU"} 1',
+        f'tessera_gpu_info{{device_index="0",device_type="{V100}",device_uuid="GPU-10",'
+        'mode="mps",node="mps1",zone="vGPU"} 1',
+        f'tessera_gpu_info{{device_index="0",device_type="{V100}",device_uuid="GPU-20",'
+        'mode="hami-core",node="node2",zone="vGPU"} 1',
+        f'tessera_gpu_info{{device_index="1",device_type="{V100}",device_uuid="GPU-11",'
+        'mode="mps",node="mps1",zone="vGPU"} 1',
+    ]
+    # The rendered text and prometheus_client's exposition of the samples agree.
+    registry = CollectorRegistry()
+    registry.register(StateCollector(cache.state, cache.lock))
+    assert samples(exposition(registry).decode()) == samples(generate_latest(registry).decode())
+
+
+def test_an_mps_gpu_whose_daemon_is_down_is_unavailable_as_unhealthy(cache: ClusterCache) -> None:
+    def unavailable() -> set[tuple[str, str]]:
+        return {
+            (dict(labels)["device_uuid"], dict(labels)["reason"])
+            for name, labels, value in samples(scrape(cache))
+            if name == "tessera_gpu_unavailable" and value == 1.0
+        }
+
+    up, down = mps_gpu("GPU-10"), mps_gpu("GPU-11", index=1, healthy=False)
+    cache.apply_node(node_obj("mps1", up, down))
+    assert unavailable() == {("GPU-11", "unhealthy")}
+    cache.apply_node(node_obj("mps1", up, mps_gpu("GPU-11", index=1)))  # the daemon is back
+    assert unavailable() == set()
 
 
 def test_per_container_gauges_as_hami_writes_them(cache: ClusterCache) -> None:

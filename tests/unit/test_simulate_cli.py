@@ -4,7 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
+from api.hami.catalog import simulated_gpu_uuid, simulated_register_json
 from scheduler_plugins.cli import main
 
 EX = Path(__file__).resolve().parents[2] / "examples"
@@ -184,3 +186,96 @@ def test_a_node_whose_gpus_cannot_be_read_is_skipped_with_a_warning(
     code, lines, err = _run(capsys, *args)
     assert code == 0
     assert any(line.startswith("warning: Node broken skipped") for line in lines)
+
+
+def _node_yaml(name: str, register: str) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "annotations": {"hami.io/node-nvidia-register": register}},
+            "status": {"allocatable": {"cpu": "32", "memory": "256Gi"}},
+        }
+    )
+
+
+def _pod_yaml(name: str, mode: str | None, mem: int, cores: int, node: str = "") -> str:
+    pod: dict[str, object] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": {"nvidia.com/vgpu-mode": mode} if mode else {}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "c",
+                    "resources": {
+                        "limits": {
+                            "nvidia.com/gpu": 1,
+                            "nvidia.com/gpumem": mem,
+                            "nvidia.com/gpucores": cores,
+                        }
+                    },
+                }
+            ]
+        },
+    }
+    return yaml.safe_dump(pod)
+
+
+def test_a_what_if_with_an_mps_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MPS nodes as their node agent registers them ("mode":"mps"); MPS pods go there with
+    hami-core's device strings, and a pod that fits no MPS GPU is told why."""
+    model = "A100-PCIE-40GB"
+    mps_uuids = [simulated_gpu_uuid("mps-node", i) for i in range(2)]
+    cluster = tmp_path / "cluster.yaml"
+    existing = _pod_yaml("old", None, 30000, 0)
+    old = yaml.safe_load(existing)
+    old["spec"]["nodeName"] = "mps-node"
+    old["status"] = {"phase": "Running"}
+    written = f"{mps_uuids[0]},NVIDIA,30000,0:;"
+    old["metadata"]["annotations"] = {
+        "hami.io/vgpu-node": "mps-node",
+        "hami.io/bind-phase": "success",
+        "hami.io/vgpu-devices-allocated": written,
+    }
+    cluster.write_text(
+        "---\n".join(
+            [
+                _node_yaml(
+                    "core-node", simulated_register_json("core-node", model, 2, "hami-core")
+                ),
+                _node_yaml("mps-node", simulated_register_json("mps-node", model, 2, "mps")),
+                yaml.safe_dump(old),
+            ]
+        )
+    )
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(
+        "---\n".join(
+            [
+                _pod_yaml("client", "mps", 20000, 30),
+                _pod_yaml("core", "hami-core", 20000, 30),
+                _pod_yaml("too-big", "mps", 30000, 0),  # 40960 − 30000 and 40960 − 20000 left
+            ]
+        )
+    )
+    args = ("simulate", "--cluster", str(cluster), "--pods", str(pods))
+    code, lines, _ = _run(capsys, *args, "--output", "json")
+    assert code == 0
+    client, core, too_big = (json.loads(line) for line in lines)
+    # Spread by default: the MPS GPU nobody uses yet.
+    assert (client["status"], client["node"]) == ("Scheduled", "mps-node")
+    devices = f"{mps_uuids[1]},NVIDIA,20000,30:;"
+    assert client["annotations"] == {
+        "hami.io/vgpu-node": "mps-node",
+        "hami.io/vgpu-devices-allocated": devices,
+        "hami.io/vgpu-devices-to-allocate": devices,
+    }
+    assert core["node"] == "core-node"
+    assert too_big["status"] == "Unschedulable"
+    reason = str(too_big["reason"])
+    assert "NVIDIA A100-PCIE-40GB (mps)]: insufficient GPU memory (mps-node)" in reason
+    assert "(hami-core)]: GPU mode does not match nvidia.com/vgpu-mode (core-node)" in reason
+    code, lines, _ = _run(capsys, *args)
+    assert code == 0
+    assert f"{mps_uuids[1][:12]}:20000MiB/30%" in lines[1]

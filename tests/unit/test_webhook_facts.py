@@ -11,38 +11,49 @@ from api.hami.register import GpuDevice, encode
 from scheduler_plugins.webhook.facts import (
     ClusterFacts,
     LargestGpu,
+    ModeLimit,
     NodeFactsStore,
     node_capacity,
 )
-from tests.builders import gpu, mig_gpu
+from tests.builders import gpu, mig_gpu, mps_gpu
 
 A100 = "NVIDIA A100-PCIE-40GB"
 
 
 @pytest.mark.parametrize(
-    ("devices", "core", "mig", "core_mib", "mig_mib"),
+    ("devices", "counts", "largest_mib"),
     [
-        ([gpu("G0", mem=16384), gpu("G1", index=1, mem=24576)], 2, 0, 24576, None),
-        ([mig_gpu("M0")], 0, 7, None, 40448),  # 7 × 1g.5gb
-        ([mig_gpu("M0"), mig_gpu("M1", index=1)], 0, 14, None, 40448),
-        ([mig_gpu("H0", "H100 80GB")], 0, 7, None, 81152),
-        ([gpu("G0", mem=8192), mig_gpu("M0", index=1)], 1, 7, 8192, 40448),
+        ([gpu("G0", mem=16384), gpu("G1", index=1, mem=24576)], (2, 0, 0), (24576, None, None)),
+        ([mig_gpu("M0")], (0, 7, 0), (None, 40448, None)),  # 7 × 1g.5gb
+        ([mig_gpu("M0"), mig_gpu("M1", index=1)], (0, 14, 0), (None, 40448, None)),
+        ([mig_gpu("H0", "H100 80GB")], (0, 7, 0), (None, 81152, None)),
+        ([gpu("G0", mem=8192), mig_gpu("M0", index=1)], (1, 7, 0), (8192, 40448, None)),
+        # An MPS GPU: one device per container per GPU, whatever its client slots.
+        (
+            [mps_gpu("S0", mem=16384, count=48), mps_gpu("S1", index=1)],
+            (0, 0, 2),
+            (None, None, 16384),
+        ),
+        ([gpu("G0", mem=8192), mps_gpu("S0", index=1, mem=4096)], (1, 0, 1), (8192, None, 4096)),
     ],
-    ids=["hami-core", "one MIG A100", "two MIG A100", "MIG H100", "mixed"],
+    ids=["hami-core", "one MIG A100", "two MIG A100", "MIG H100", "mixed", "MPS", "hami-core+MPS"],
 )
 def test_node_capacity(
-    devices: list[GpuDevice], core: int, mig: int, core_mib: int | None, mig_mib: int | None
+    devices: list[GpuDevice],
+    counts: tuple[int, int, int],
+    largest_mib: tuple[int | None, int | None, int | None],
 ) -> None:
     cap = node_capacity("n", devices)
-    assert (cap.core_devices, cap.mig_devices) == (core, mig)
-    assert (cap.core_largest.memory_mib if cap.core_largest else None) == core_mib
-    assert (cap.mig_largest.memory_mib if cap.mig_largest else None) == mig_mib
+    modes = ("hami-core", "mig", "mps")
+    assert tuple(cap.devices[m] for m in modes) == counts
+    largest = tuple(cap.largest[m] for m in modes)
+    assert tuple(big.memory_mib if big else None for big in largest) == largest_mib
 
 
 def test_mig_devices_are_capped_by_the_gpus_slots() -> None:
     m = mig_gpu("M0")
     few_slots = GpuDevice(m.id, 0, 3, m.devmem, 100, m.type, 0, True, "mig", m.mig_profiles)
-    assert node_capacity("n", [few_slots]).mig_devices == 3
+    assert node_capacity("n", [few_slots]).devices["mig"] == 3
 
 
 def test_cluster_facts_take_the_best_node_per_mode() -> None:
@@ -50,14 +61,21 @@ def test_cluster_facts_take_the_best_node_per_mode() -> None:
         [
             node_capacity("a", [gpu(f"G{i}", index=i, mem=40960, type=A100) for i in range(4)]),
             node_capacity("b", [gpu("G0", mem=81920, type="H100"), mig_gpu("M0", index=1)]),
+            node_capacity("s", [mps_gpu(f"S{i}", index=i, mem=24576, type="L4") for i in range(3)]),
         ]
     )
-    assert facts.known and facts.nodes == 2
+    assert facts.known and facts.nodes == 3
     assert facts.limit("hami-core").devices == 4
     assert facts.limit("hami-core").largest == LargestGpu(81920, "H100", "b")
     assert facts.limit("mig").devices == 7
+    assert facts.limit("mps") == ModeLimit(3, LargestGpu(24576, "L4", "s"))
     assert facts.limit(None).devices == 8  # node b: one hami-core GPU + 7 MIG instances
     assert facts.limit(None).largest == LargestGpu(81920, "H100", "b")
+    assert facts.limit(frozenset({"mig", "mps"})) == ModeLimit(
+        7, LargestGpu(40448, f"{A100} 7g.40gb", "b")
+    )
+    assert facts.limit(frozenset({"hami-core", "mps"})).devices == 4
+    assert facts.limit(frozenset({"hami-core", "mig", "mps"})) == facts.limit(None)
 
 
 def node(name: str, devices: list[GpuDevice] | None, raw: str | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from scheduler_plugins.webhook.rules import (
     review_pod,
     review_pod_update,
 )
-from tests.builders import PodBuilder, gpu, make_pod, mig_gpu
+from tests.builders import PodBuilder, gpu, make_pod, mig_gpu, mps_gpu
 from tests.jsonpatch import apply_patch
 
 A100 = "NVIDIA A100-PCIE-40GB"
@@ -31,6 +31,17 @@ FACTS = ClusterFacts.of(
     ]
 )
 CORE_ONLY = ClusterFacts.of([node_capacity("core-0", [gpu("G0", mem=16384)])])
+# FACTS and a node of two 16 GiB MPS GPUs.
+WITH_MPS = ClusterFacts.of(
+    [
+        node_capacity("core-0", [gpu(f"G{i}", index=i, mem=40960, type=A100) for i in range(4)]),
+        node_capacity("mig-0", [mig_gpu("M0")]),
+        node_capacity(
+            "mps-0",
+            [mps_gpu(f"S{i}", index=i, count=48, mem=16384, type="NVIDIA L4") for i in range(2)],
+        ),
+    ]
+)
 SETTINGS = Settings()
 GPU, MEM, PCT, CORES = (
     "nvidia.com/gpu",
@@ -253,10 +264,11 @@ CASES = [
         code=400,
         message=(ann.NUMA_BIND, "'maybe'"),
     ),
-    Case(  # not refused: the scheduler keeps it Pending and says why (MPS is not offered)
-        "MPS only",
-        pod(**{GPU: 1}).annotate(ann.VGPU_MODE, "mps").build(),
+    Case(
+        "MPS only, on MPS GPUs",
+        pod(**{GPU: 2, MEM: 16384}).annotate(ann.VGPU_MODE, "mps").build(),
         (SCHED,),
+        facts=WITH_MPS,
     ),
     # --- impossible on this cluster (400)
     Case(
@@ -295,6 +307,45 @@ CASES = [
         code=400,
         message=("mig", "none of the 1 node"),
         facts=CORE_ONLY,
+    ),
+    Case(
+        "MPS asked of a cluster without MPS GPUs",
+        pod(**{GPU: 1}).annotate(ann.VGPU_MODE, "mps").build(),
+        code=400,
+        message=("MPS GPU devices", f"{ann.VGPU_MODE}: mps", "none of the 2 node"),
+    ),
+    Case(
+        "MPS: more GPUs than any node has",
+        pod(**{GPU: 3}).annotate(ann.VGPU_MODE, "mps").build(),
+        code=400,
+        message=(f"{GPU} = 3", "more than 2 MPS GPU device(s)", "at most 2"),
+        facts=WITH_MPS,
+    ),
+    Case(
+        "MPS: more memory than the largest MPS GPU",
+        pod(**{GPU: 1, MEM: 20000}).annotate(ann.VGPU_MODE, "mps").build(),
+        code=400,
+        message=("20000 MiB", "largest MPS GPU", "16384 MiB", "NVIDIA L4 on node mps-0"),
+        facts=WITH_MPS,
+    ),
+    Case(
+        "hami-core or MPS: the larger GPU of either counts",
+        pod(**{GPU: 1, MEM: 40000}).annotate(ann.VGPU_MODE, "hami-core,mps").build(),
+        (SCHED,),
+        facts=WITH_MPS,
+    ),
+    Case(
+        "hami-core or MPS: more memory than either has",
+        pod(**{GPU: 1, MEM: 41000}).annotate(ann.VGPU_MODE, "hami-core,mps").build(),
+        code=400,
+        message=("largest hami-core GPU or MPS GPU", "40960 MiB"),
+        facts=WITH_MPS,
+    ),
+    Case(
+        "no mode: MPS GPUs are in the pool",
+        pod(**{GPU: 1, MEM: 41000}).build(),
+        (SCHED,),
+        facts=ClusterFacts.of([node_capacity("mps-0", [mps_gpu("S0", mem=49152)])]),
     ),
     Case(
         "every problem is named, presets decide the code",
