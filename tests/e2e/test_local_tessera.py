@@ -324,3 +324,30 @@ def test_up_with_jaeger_traces_each_pod(built_tools: Path) -> None:
         eventually(traced, timeout_s=30, interval_s=0.5, what="the pod's trace in Jaeger")
     finally:
         _down(local)
+
+
+def test_demo_places_every_workload_as_it_says(built_tools: Path) -> None:
+    """``make demo`` (``tessera demo``) on its own ports: each workload ends as its row says."""
+    apiserver, etcd, peer, kwok = free_ports(4)
+    proc = tessera(
+        "demo",
+        "--name",
+        "e2e-demo",
+        "--apiserver-port",
+        str(apiserver),
+        "--etcd-port",
+        str(etcd),
+        "--etcd-peer-port",
+        str(peer),
+        "--kwok-port",
+        str(kwok),
+    )
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    for name in ("binpack-1", "binpack-2", "spread-1", "mig-seed", "mps-1"):
+        assert "Bound (success)" in rows[name], rows[name]
+    assert rows["binpack-1"].split()[-4] == rows["binpack-2"].split()[-4]  # the same node
+    assert "2g.10gb@[0,2)" in rows["mig-seed"] and "2g.10gb@[2,4)" in rows["mig-seed"]
+    assert "8000MiB 25%" in rows["mps-1"]
+    assert "Pending" in rows["needs-3g"] and "MIG fragmentation" in rows["needs-3g"]
+    assert "Bound" in rows["plain"]
+    assert not (default_cache_dir() / "cluster" / "e2e-demo").exists(), "the demo left its state"

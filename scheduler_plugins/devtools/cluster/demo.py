@@ -29,6 +29,7 @@ from scheduler_plugins.server.events import REASON as EVENT_REASON
 log = structlog.get_logger(__name__)
 
 NAMESPACE: Final = "default"
+DEMO_NODES: Final = 5  # examples/demo/nodes.yaml: hami-core, mig, mps, hami-core, mig
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,15 @@ def workloads(mig_empty: str, mig_fragmented: str) -> list[Workload]:
             "MIG 3g on a fragmented GPU: stays Pending",
             _pod("needs-3g", {gpu: 1, mem: 16000}, annotations=mig, node=mig_fragmented),
             expect_bound=False,
+        ),
+        Workload(
+            "mps-1",
+            "MPS client: limits enforced by the GPU's MPS daemon",
+            _pod(
+                "mps-1",
+                {gpu: 1, mem: 8000, "nvidia.com/gpucores": 25},
+                annotations={ann.VGPU_MODE: "mps"},
+            ),
         ),
         Workload("plain", "no GPU request: scheduled by the same profile", _pod("plain")),
     ]
@@ -224,7 +234,7 @@ def run_demo(settings: ClusterSettings, *, keep: bool, timeout_s: float) -> int:
     try:
         with info.api() as api:
             profile = load_profile(repo_root() / "examples" / "demo" / "nodes.yaml")
-            names = add_nodes(api, profile, 4)
+            names = add_nodes(api, profile, DEMO_NODES)
             wait_ready(api, names, timeout_s=timeout_s)
             mig_nodes = []
             for name in names:
@@ -258,6 +268,7 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     demo.add_argument("--name", default="demo", help="cluster name (default: demo)")
     demo.add_argument("--apiserver-port", type=int, default=16443)
     demo.add_argument("--etcd-port", type=int, default=12379)
+    demo.add_argument("--etcd-peer-port", type=int, default=0, help="default: etcd port + 1")
     demo.add_argument("--kwok-port", type=int, default=11247)
     demo.add_argument("--keep", action="store_true", help="leave the cluster running")
     demo.add_argument("--timeout", type=float, default=120.0, help="seconds per wait")
@@ -269,6 +280,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
         name=a.name,
         apiserver_port=a.apiserver_port,
         etcd_port=a.etcd_port,
+        etcd_peer_port=a.etcd_peer_port,
         kwok_port=a.kwok_port,
     )
     return run_demo(settings, keep=a.keep, timeout_s=a.timeout)
