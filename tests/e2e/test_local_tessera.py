@@ -151,7 +151,7 @@ def test_readme_try_your_own_pods(built_tools: Path) -> None:
             m.group(1): (m.group(2), m.group(3))
             for m in re.finditer(r"^(\S+)\s+\S+\s+(\w+)\s+\d+\s+\S+\s+\S+\s+(\S+)", out, re.M)
         }
-        for pod in ("hami-core", "mig", "unified-pool", "h200-only"):
+        for pod in ("hami-core", "mig", "mps", "unified-pool", "h200-only"):
             assert rows.get(pod, ("?", "?"))[0] == "Running", f"{pod}: {rows.get(pod)}\n{out}"
         assert rows.get("waits-for-mig-h200", ("?",))[0] == "Pending", out
         assert "GPU mode does not match nvidia.com/vgpu-mode" in out, out
@@ -221,6 +221,12 @@ def test_examples_end_as_their_files_say(local_up: tuple[Local, KubeClient]) -> 
     assert {g.mode for g in _node_gpus(api, pod["spec"]["nodeName"])} == {"mig"}
     [mig] = decode_mig_allocations(pod["metadata"]["annotations"][ann.MIG_ALLOCATIONS])
     assert mig.profile == "1g.10gb"
+
+    pod = _bound(api, "mps")
+    assert pod["spec"]["nodeName"] == "gpu-node-0006"
+    assert {g.mode for g in _node_gpus(api, "gpu-node-0006")} == {"mps"}
+    [[device]] = decode_devices(pod["metadata"]["annotations"][ann.DEVICES_ALLOCATED])
+    assert (device.mem, device.cores) == (6000, 20)
 
     pod = _bound(api, "unified-pool")
     assert pod["metadata"]["annotations"][ann.DEVICES_ALLOCATED]

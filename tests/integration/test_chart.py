@@ -39,6 +39,7 @@ from api.hami.config import (
     convert_known_geometries,
     load_config,
 )
+from node_agent.mps import DEFAULT_ROOT, ControlDaemons, SimulatedMps, mps_backend_from_env
 from scheduler_plugins.cli import build_parser
 from scheduler_plugins.devtools.cluster.layout import repo_root
 from scheduler_plugins.devtools.cluster.testing import ClusterClient
@@ -226,6 +227,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "metrics": {"service": {"type": "ClusterIP"}},
     },
     "converted-hami-config": {"deviceConfigYaml": convert_known_geometries(HAMI_CONFIG)},
+    "mps-node": {
+        "deviceConfig": {"nvidia": {"nodeconfig": [{"name": "gpu-8", "operatingmode": "mps"}]}},
+        "nodeAgent": {"mps": {"root": "/srv/mps", "checkIntervalSeconds": 2, "hostIPC": True}},
+    },
 }
 
 
@@ -481,6 +486,82 @@ def test_mounted_paths_are_the_ones_the_commands_read(default: Rendered) -> None
     assert flag_value(agent["command"], "--plugin-dir") == _mount(agent, "device-plugins")
 
 
+# MPS: the root is a host path, mounted where the agent names it -----------------------------
+
+AGENT = f"{fullname()}-node-agent"
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's literal environment (field references left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _mps_root(rendered: Rendered) -> str:
+    """The agent's ``--mps-root``, checked to be the hostPath mounted at that same path: the
+    agent hands the kubelet ``<root>/<uuid>/pipe`` as a host path."""
+    pod = rendered.pod_spec(AGENT)
+    agent = rendered.container(AGENT, "node-agent")
+    root = flag_value(agent["command"], "--mps-root")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "mps-root"]
+    assert volume["hostPath"] == {"path": root, "type": "DirectoryOrCreate"}
+    (mount,) = [m for m in agent["volumeMounts"] if m["name"] == "mps-root"]
+    assert mount == {"name": "mps-root", "mountPath": root}  # writable, no subPath
+    return root
+
+
+def test_node_agent_mounts_the_mps_root_at_its_host_path(default: Rendered) -> None:
+    assert _mps_root(default) == str(DEFAULT_ROOT)
+    command = default.container(AGENT, "node-agent")["command"]
+    assert float(flag_value(command, "--mps-check-interval")) == 5.0
+    pod = default.pod_spec(AGENT)
+    assert "hostIPC" not in pod  # least privilege unless nodeAgent.mps.hostIPC
+    # The pause container reaps the daemons the agent starts (they daemonize).
+    assert pod["shareProcessNamespace"] is True
+
+
+def test_mps_values_reach_the_node_agent(variants: dict[str, Rendered], tmp_path: Path) -> None:
+    rendered = variants["mps-node"]
+    assert _mps_root(rendered) == "/srv/mps"
+    command = rendered.container(AGENT, "node-agent")["command"]
+    assert flag_value(command, "--mps-check-interval") == "2"
+    assert rendered.pod_spec(AGENT)["hostIPC"] is True
+    # The node's operating mode passes `tessera config check` (the real command).
+    text = rendered.config_map(f"{fullname()}-device-config", "device-config.yaml")
+    path = tmp_path / "device-config.yaml"
+    path.write_text(text)
+    args = build_parser().parse_args(["config", "check", str(path)])
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert args.func(args) == 0
+    assert load_config(text).node("gpu-8").operating_mode == "mps"
+
+
+def test_a_fractional_mps_check_interval_reaches_the_cli(helm_bin: Path) -> None:
+    rendered = render(helm_bin, {"nodeAgent": {"mps": {"checkIntervalSeconds": 0.5}}})
+    command = rendered.container(AGENT, "node-agent")["command"]
+    assert flag_value(command, "--mps-check-interval") == "0.5"
+    args = build_parser().parse_args([*command[1:], "--node-name=gpu-0"])
+    assert args.mps_check_interval == 0.5
+
+
+@pytest.mark.parametrize(
+    ("variant", "kind", "backend"),
+    [("defaults", "real", ControlDaemons), ("simulated-gpus", "simulated", SimulatedMps)],
+)
+def test_mps_backend_follows_the_nvml_backend(
+    variants: dict[str, Rendered], tmp_path: Path, variant: str, kind: str, backend: type
+) -> None:
+    env = _env(variants[variant].container(AGENT, "node-agent"))
+    assert env["TESSERA_MPS"] == env["TESSERA_NVML"] == kind
+    # What the agent builds from that environment (nothing is started).
+    assert isinstance(mps_backend_from_env(env, root=tmp_path / "mps"), backend)
+
+
+def test_real_mps_daemons_get_the_cuda_driver(default: Rendered) -> None:
+    """nvidia-cuda-mps-control/-server and libcuda come with the toolkit's compute capability."""
+    env = _env(default.container(AGENT, "node-agent"))
+    assert set(env["NVIDIA_DRIVER_CAPABILITIES"].split(",")) >= {"compute", "utility"}
+
+
 def test_each_scheduler_container_reads_its_own_service_account(default: Rendered) -> None:
     workload = f"{fullname()}-scheduler"
     pod = default.pod_spec(workload)
@@ -638,6 +719,36 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         "device config that is not YAML",
         {"deviceConfigYaml": "nvidia: [unclosed"},
         "deviceConfigYaml is not valid YAML",
+    ),
+    (
+        "relative MPS root",
+        {"nodeAgent": {"mps": {"root": "var/lib/mps"}}},
+        'nodeAgent.mps.root must be an absolute host path (clean, not /), got "var/lib/mps"',
+    ),
+    (
+        "MPS root that is not clean",
+        {"nodeAgent": {"mps": {"root": "/var/lib/../mps/"}}},
+        'nodeAgent.mps.root must be an absolute host path (clean, not /), got "/var/lib/../mps/"',
+    ),
+    (
+        "MPS root /",
+        {"nodeAgent": {"mps": {"root": "/"}}},
+        'nodeAgent.mps.root must be an absolute host path (clean, not /), got "/"',
+    ),
+    (
+        "zero MPS check interval",
+        {"nodeAgent": {"mps": {"checkIntervalSeconds": 0}}},
+        "nodeAgent.mps.checkIntervalSeconds must be a number of seconds in (0, 3600], got 0",
+    ),
+    (
+        "MPS check interval with a unit",
+        {"nodeAgent": {"mps": {"checkIntervalSeconds": "5s"}}},
+        "nodeAgent.mps.checkIntervalSeconds must be a number of seconds in (0, 3600], got 5s",
+    ),
+    (
+        "MPS hostIPC that is not a boolean",
+        {"nodeAgent": {"mps": {"hostIPC": "yes"}}},
+        "nodeAgent.mps.hostIPC must be true or false, got yes",
     ),
 ]
 

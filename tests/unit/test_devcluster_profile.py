@@ -36,17 +36,20 @@ def test_example_profile_loads_with_its_mix() -> None:
         "H100 80GB",
         "H200",
         "RTX PRO 6000",
+        "A100-PCIE-40GB",
     ]
-    rtx = p.groups[-1]
+    rtx = p.groups[-2]
     assert (rtx.gpus_per_node, rtx.cpu, rtx.memory, rtx.mode) == (4, "64", "512Gi", "hami-core")
     assert p.groups[2].labels == {"gpu": "on", "tessera.dev/pool": "h100"}
-    counts = Counter(g.model for _, g in plan(p, 90, 0))
+    assert (p.groups[-1].mode, p.groups[-1].labels["tessera.dev/pool"]) == ("mps", "mps")
+    counts = Counter((g.model, g.mode) for _, g in plan(p, 100, 0))
     assert counts == {
-        "A100-PCIE-40GB": 30,
-        "A100-SXM4-80GB": 20,
-        "H100 80GB": 20,
-        "H200": 10,
-        "RTX PRO 6000": 10,
+        ("A100-PCIE-40GB", "hami-core"): 30,
+        ("A100-SXM4-80GB", "mig"): 20,
+        ("H100 80GB", "mig"): 20,
+        ("H200", "hami-core"): 10,
+        ("RTX PRO 6000", "hami-core"): 10,
+        ("A100-PCIE-40GB", "mps"): 10,
     }
 
 

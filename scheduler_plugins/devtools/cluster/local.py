@@ -47,7 +47,7 @@ from scheduler_plugins.devtools.cluster.webhook import WEBHOOK, probe_webhook
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_NODES: Final = 9  # one of each node of the default profile's weighted cycle
+DEFAULT_NODES: Final = 10  # one of each node of the default profile's weighted cycle
 DEFAULT_PROFILE: Final = Path("examples") / "cluster-profile.yaml"
 FIRST_EXAMPLE: Final = Path("examples") / "pods" / "hami-core.yaml"
 _STACK_FILE: Final = "stack.json"  # how the stack was started: {"jaeger": bool}
