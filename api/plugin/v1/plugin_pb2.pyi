@@ -37,7 +37,7 @@ class PreFilterRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., pod_json: _Optional[bytes] = ..., candidate_nodes: _Optional[int] = ...) -> None: ...
 
 class PreFilterResponse(_message.Message):
-    __slots__ = ("code", "message", "feasible_nodes", "scores", "infeasible_message", "decision_id", "feasible_total")
+    __slots__ = ("code", "message", "feasible_nodes", "scores", "infeasible_message", "decision_id", "feasible_total", "preemptible_nodes")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CODE_UNSPECIFIED: _ClassVar[PreFilterResponse.Code]
@@ -57,6 +57,7 @@ class PreFilterResponse(_message.Message):
     INFEASIBLE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     FEASIBLE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_NODES_FIELD_NUMBER: _ClassVar[int]
     code: PreFilterResponse.Code
     message: str
     feasible_nodes: _containers.RepeatedScalarFieldContainer[str]
@@ -64,7 +65,8 @@ class PreFilterResponse(_message.Message):
     infeasible_message: str
     decision_id: int
     feasible_total: int
-    def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ..., feasible_total: _Optional[int] = ...) -> None: ...
+    preemptible_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ..., feasible_total: _Optional[int] = ..., preemptible_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("version", "pod", "node", "decision_id", "hand_over")
@@ -165,3 +167,29 @@ class ExplainResponse(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     message: str
     def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class FilterWhatIfRequest(_message.Message):
+    __slots__ = ("version", "pod", "decision_id", "pod_json", "node", "removed_pod_uids", "added_pods_json")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    POD_JSON_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_POD_UIDS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_PODS_JSON_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    pod: PodRef
+    decision_id: int
+    pod_json: bytes
+    node: str
+    removed_pod_uids: _containers.RepeatedScalarFieldContainer[str]
+    added_pods_json: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., decision_id: _Optional[int] = ..., pod_json: _Optional[bytes] = ..., node: _Optional[str] = ..., removed_pod_uids: _Optional[_Iterable[str]] = ..., added_pods_json: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FilterWhatIfResponse(_message.Message):
+    __slots__ = ("fits", "message")
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    fits: bool
+    message: str
+    def __init__(self, fits: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,11 @@ class SchedulerStub:
                 request_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.FilterWhatIf = channel.unary_unary(
+                '/tessera.plugin.v1.Scheduler/FilterWhatIf',
+                request_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.FilterWhatIfRequest.SerializeToString,
+                response_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.FilterWhatIfResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -106,6 +111,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FilterWhatIf(self, request, context):
+        """Whether the pod fits one node in a what-if of kube-scheduler's preemption: the node as it
+        is, without the pods its dry run removed and with the ones it added (PreFilterExtensions
+        RemovePod/AddPod: victims added back, or nominated pods of at least the pod's priority),
+        computed on a copy of that node alone. Asked from Filter only for nodes PreFilter named
+        preemptible, and only while such a what-if is in effect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +149,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainRequest.FromString,
                     response_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainResponse.SerializeToString,
+            ),
+            'FilterWhatIf': grpc.unary_unary_rpc_method_handler(
+                    servicer.FilterWhatIf,
+                    request_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.FilterWhatIfRequest.FromString,
+                    response_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.FilterWhatIfResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +291,33 @@ class Scheduler:
             '/tessera.plugin.v1.Scheduler/Explain',
             api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainRequest.SerializeToString,
             api_dot_plugin_dot_v1_dot_plugin__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FilterWhatIf(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.plugin.v1.Scheduler/FilterWhatIf',
+            api_dot_plugin_dot_v1_dot_plugin__pb2.FilterWhatIfRequest.SerializeToString,
+            api_dot_plugin_dot_v1_dot_plugin__pb2.FilterWhatIfResponse.FromString,
             options,
             channel_credentials,
             insecure,

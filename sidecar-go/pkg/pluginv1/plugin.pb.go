@@ -287,8 +287,13 @@ type PreFilterResponse struct {
 	// them are there). If kube-scheduler's other plugins reject every candidate, the shim asks
 	// for every feasible node in the pod's next attempt.
 	FeasibleTotal uint32 `protobuf:"varint,7,opt,name=feasible_total,json=feasibleTotal,proto3" json:"feasible_total,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Nodes that do not fit now but would if the pod's lower-priority pods on them were gone:
+	// kube-scheduler's preemption may try these (Filter answers Unschedulable there and
+	// UnschedulableAndUnresolvable on every other node that does not fit). Set with OK and
+	// UNSCHEDULABLE; empty when no lower-priority pod could make room anywhere.
+	PreemptibleNodes []string `protobuf:"bytes,8,rep,name=preemptible_nodes,json=preemptibleNodes,proto3" json:"preemptible_nodes,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *PreFilterResponse) Reset() {
@@ -368,6 +373,13 @@ func (x *PreFilterResponse) GetFeasibleTotal() uint32 {
 		return x.FeasibleTotal
 	}
 	return 0
+}
+
+func (x *PreFilterResponse) GetPreemptibleNodes() []string {
+	if x != nil {
+		return x.PreemptibleNodes
+	}
+	return nil
 }
 
 type ReserveRequest struct {
@@ -836,6 +848,157 @@ func (x *ExplainResponse) GetMessage() string {
 	return ""
 }
 
+type FilterWhatIfRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Version ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
+	Pod     *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
+	// The PreFilter decision of this cycle; when the server no longer holds it, it reads the
+	// pod from pod_json.
+	DecisionId uint64 `protobuf:"varint,3,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	PodJson    []byte `protobuf:"bytes,4,opt,name=pod_json,json=podJson,proto3" json:"pod_json,omitempty"`
+	Node       string `protobuf:"bytes,5,opt,name=node,proto3" json:"node,omitempty"`
+	// Pods on the node that count as gone (UIDs), in the order the dry run removed them.
+	RemovedPodUids []string `protobuf:"bytes,6,rep,name=removed_pod_uids,json=removedPodUids,proto3" json:"removed_pod_uids,omitempty"`
+	// Pods that count as placed on the node besides the ones there, in the order added, as
+	// JSON: a removed pod added back (the server knows its devices), or a nominated pod (the
+	// server places it first, as it would be placed; one that does not fit takes nothing).
+	AddedPodsJson [][]byte `protobuf:"bytes,7,rep,name=added_pods_json,json=addedPodsJson,proto3" json:"added_pods_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FilterWhatIfRequest) Reset() {
+	*x = FilterWhatIfRequest{}
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FilterWhatIfRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FilterWhatIfRequest) ProtoMessage() {}
+
+func (x *FilterWhatIfRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FilterWhatIfRequest.ProtoReflect.Descriptor instead.
+func (*FilterWhatIfRequest) Descriptor() ([]byte, []int) {
+	return file_api_plugin_v1_plugin_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *FilterWhatIfRequest) GetVersion() ProtocolVersion {
+	if x != nil {
+		return x.Version
+	}
+	return ProtocolVersion_PROTOCOL_VERSION_UNSPECIFIED
+}
+
+func (x *FilterWhatIfRequest) GetPod() *PodRef {
+	if x != nil {
+		return x.Pod
+	}
+	return nil
+}
+
+func (x *FilterWhatIfRequest) GetDecisionId() uint64 {
+	if x != nil {
+		return x.DecisionId
+	}
+	return 0
+}
+
+func (x *FilterWhatIfRequest) GetPodJson() []byte {
+	if x != nil {
+		return x.PodJson
+	}
+	return nil
+}
+
+func (x *FilterWhatIfRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *FilterWhatIfRequest) GetRemovedPodUids() []string {
+	if x != nil {
+		return x.RemovedPodUids
+	}
+	return nil
+}
+
+func (x *FilterWhatIfRequest) GetAddedPodsJson() [][]byte {
+	if x != nil {
+		return x.AddedPodsJson
+	}
+	return nil
+}
+
+type FilterWhatIfResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Fits  bool                   `protobuf:"varint,1,opt,name=fits,proto3" json:"fits,omitempty"`
+	// Why not, when it does not fit (the node's reasons, as Explain words them).
+	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FilterWhatIfResponse) Reset() {
+	*x = FilterWhatIfResponse{}
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FilterWhatIfResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FilterWhatIfResponse) ProtoMessage() {}
+
+func (x *FilterWhatIfResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_api_plugin_v1_plugin_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FilterWhatIfResponse.ProtoReflect.Descriptor instead.
+func (*FilterWhatIfResponse) Descriptor() ([]byte, []int) {
+	return file_api_plugin_v1_plugin_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *FilterWhatIfResponse) GetFits() bool {
+	if x != nil {
+		return x.Fits
+	}
+	return false
+}
+
+func (x *FilterWhatIfResponse) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 var File_api_plugin_v1_plugin_proto protoreflect.FileDescriptor
 
 const file_api_plugin_v1_plugin_proto_rawDesc = "" +
@@ -849,7 +1012,7 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x19\n" +
 	"\bpod_json\x18\x03 \x01(\fR\apodJson\x12'\n" +
-	"\x0fcandidate_nodes\x18\x04 \x01(\rR\x0ecandidateNodes\"\xf2\x02\n" +
+	"\x0fcandidate_nodes\x18\x04 \x01(\rR\x0ecandidateNodes\"\x9f\x03\n" +
 	"\x11PreFilterResponse\x12=\n" +
 	"\x04code\x18\x01 \x01(\x0e2).tessera.plugin.v1.PreFilterResponse.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12%\n" +
@@ -858,7 +1021,8 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x12infeasible_message\x18\x05 \x01(\tR\x11infeasibleMessage\x12\x1f\n" +
 	"\vdecision_id\x18\x06 \x01(\x04R\n" +
 	"decisionId\x12%\n" +
-	"\x0efeasible_total\x18\a \x01(\rR\rfeasibleTotal\"N\n" +
+	"\x0efeasible_total\x18\a \x01(\rR\rfeasibleTotal\x12+\n" +
+	"\x11preemptible_nodes\x18\b \x03(\tR\x10preemptibleNodes\"N\n" +
 	"\x04Code\x12\x14\n" +
 	"\x10CODE_UNSPECIFIED\x10\x00\x12\x06\n" +
 	"\x02OK\x10\x01\x12\b\n" +
@@ -906,16 +1070,29 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\vdecision_id\x18\x03 \x01(\x04R\n" +
 	"decisionId\"+\n" +
 	"\x0fExplainResponse\x12\x18\n" +
-	"\amessage\x18\x01 \x01(\tR\amessage*K\n" +
+	"\amessage\x18\x01 \x01(\tR\amessage\"\xa2\x02\n" +
+	"\x13FilterWhatIfRequest\x12<\n" +
+	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
+	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x1f\n" +
+	"\vdecision_id\x18\x03 \x01(\x04R\n" +
+	"decisionId\x12\x19\n" +
+	"\bpod_json\x18\x04 \x01(\fR\apodJson\x12\x12\n" +
+	"\x04node\x18\x05 \x01(\tR\x04node\x12(\n" +
+	"\x10removed_pod_uids\x18\x06 \x03(\tR\x0eremovedPodUids\x12&\n" +
+	"\x0fadded_pods_json\x18\a \x03(\fR\raddedPodsJson\"D\n" +
+	"\x14FilterWhatIfResponse\x12\x12\n" +
+	"\x04fits\x18\x01 \x01(\bR\x04fits\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage*K\n" +
 	"\x0fProtocolVersion\x12 \n" +
 	"\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n" +
-	"\x12PROTOCOL_VERSION_1\x10\x012\xb1\x03\n" +
+	"\x12PROTOCOL_VERSION_1\x10\x012\x92\x04\n" +
 	"\tScheduler\x12V\n" +
 	"\tPreFilter\x12#.tessera.plugin.v1.PreFilterRequest\x1a$.tessera.plugin.v1.PreFilterResponse\x12P\n" +
 	"\aReserve\x12!.tessera.plugin.v1.ReserveRequest\x1a\".tessera.plugin.v1.ReserveResponse\x12V\n" +
 	"\tUnreserve\x12#.tessera.plugin.v1.UnreserveRequest\x1a$.tessera.plugin.v1.UnreserveResponse\x12P\n" +
 	"\aPreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponse\x12P\n" +
-	"\aExplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3"
+	"\aExplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponse\x12_\n" +
+	"\fFilterWhatIf\x12&.tessera.plugin.v1.FilterWhatIfRequest\x1a'.tessera.plugin.v1.FilterWhatIfResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3"
 
 var (
 	file_api_plugin_v1_plugin_proto_rawDescOnce sync.Once
@@ -930,25 +1107,27 @@ func file_api_plugin_v1_plugin_proto_rawDescGZIP() []byte {
 }
 
 var file_api_plugin_v1_plugin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_api_plugin_v1_plugin_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_api_plugin_v1_plugin_proto_goTypes = []any{
-	(ProtocolVersion)(0),        // 0: tessera.plugin.v1.ProtocolVersion
-	(PreFilterResponse_Code)(0), // 1: tessera.plugin.v1.PreFilterResponse.Code
-	(*PodRef)(nil),              // 2: tessera.plugin.v1.PodRef
-	(*PreFilterRequest)(nil),    // 3: tessera.plugin.v1.PreFilterRequest
-	(*PreFilterResponse)(nil),   // 4: tessera.plugin.v1.PreFilterResponse
-	(*ReserveRequest)(nil),      // 5: tessera.plugin.v1.ReserveRequest
-	(*ReserveResponse)(nil),     // 6: tessera.plugin.v1.ReserveResponse
-	(*UnreserveRequest)(nil),    // 7: tessera.plugin.v1.UnreserveRequest
-	(*UnreserveResponse)(nil),   // 8: tessera.plugin.v1.UnreserveResponse
-	(*PreBindRequest)(nil),      // 9: tessera.plugin.v1.PreBindRequest
-	(*PreBindResponse)(nil),     // 10: tessera.plugin.v1.PreBindResponse
-	(*ExplainRequest)(nil),      // 11: tessera.plugin.v1.ExplainRequest
-	(*ExplainResponse)(nil),     // 12: tessera.plugin.v1.ExplainResponse
-	nil,                         // 13: tessera.plugin.v1.ReserveResponse.AnnotationsEntry
-	nil,                         // 14: tessera.plugin.v1.ReserveResponse.LabelsEntry
-	nil,                         // 15: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
-	nil,                         // 16: tessera.plugin.v1.PreBindResponse.LabelsEntry
+	(ProtocolVersion)(0),         // 0: tessera.plugin.v1.ProtocolVersion
+	(PreFilterResponse_Code)(0),  // 1: tessera.plugin.v1.PreFilterResponse.Code
+	(*PodRef)(nil),               // 2: tessera.plugin.v1.PodRef
+	(*PreFilterRequest)(nil),     // 3: tessera.plugin.v1.PreFilterRequest
+	(*PreFilterResponse)(nil),    // 4: tessera.plugin.v1.PreFilterResponse
+	(*ReserveRequest)(nil),       // 5: tessera.plugin.v1.ReserveRequest
+	(*ReserveResponse)(nil),      // 6: tessera.plugin.v1.ReserveResponse
+	(*UnreserveRequest)(nil),     // 7: tessera.plugin.v1.UnreserveRequest
+	(*UnreserveResponse)(nil),    // 8: tessera.plugin.v1.UnreserveResponse
+	(*PreBindRequest)(nil),       // 9: tessera.plugin.v1.PreBindRequest
+	(*PreBindResponse)(nil),      // 10: tessera.plugin.v1.PreBindResponse
+	(*ExplainRequest)(nil),       // 11: tessera.plugin.v1.ExplainRequest
+	(*ExplainResponse)(nil),      // 12: tessera.plugin.v1.ExplainResponse
+	(*FilterWhatIfRequest)(nil),  // 13: tessera.plugin.v1.FilterWhatIfRequest
+	(*FilterWhatIfResponse)(nil), // 14: tessera.plugin.v1.FilterWhatIfResponse
+	nil,                          // 15: tessera.plugin.v1.ReserveResponse.AnnotationsEntry
+	nil,                          // 16: tessera.plugin.v1.ReserveResponse.LabelsEntry
+	nil,                          // 17: tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	nil,                          // 18: tessera.plugin.v1.PreBindResponse.LabelsEntry
 }
 var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	0,  // 0: tessera.plugin.v1.PreFilterRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
@@ -956,31 +1135,35 @@ var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	1,  // 2: tessera.plugin.v1.PreFilterResponse.code:type_name -> tessera.plugin.v1.PreFilterResponse.Code
 	0,  // 3: tessera.plugin.v1.ReserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 4: tessera.plugin.v1.ReserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	13, // 5: tessera.plugin.v1.ReserveResponse.annotations:type_name -> tessera.plugin.v1.ReserveResponse.AnnotationsEntry
-	14, // 6: tessera.plugin.v1.ReserveResponse.labels:type_name -> tessera.plugin.v1.ReserveResponse.LabelsEntry
+	15, // 5: tessera.plugin.v1.ReserveResponse.annotations:type_name -> tessera.plugin.v1.ReserveResponse.AnnotationsEntry
+	16, // 6: tessera.plugin.v1.ReserveResponse.labels:type_name -> tessera.plugin.v1.ReserveResponse.LabelsEntry
 	0,  // 7: tessera.plugin.v1.UnreserveRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 8: tessera.plugin.v1.UnreserveRequest.pod:type_name -> tessera.plugin.v1.PodRef
 	0,  // 9: tessera.plugin.v1.PreBindRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 10: tessera.plugin.v1.PreBindRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	15, // 11: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
-	16, // 12: tessera.plugin.v1.PreBindResponse.labels:type_name -> tessera.plugin.v1.PreBindResponse.LabelsEntry
+	17, // 11: tessera.plugin.v1.PreBindResponse.annotations:type_name -> tessera.plugin.v1.PreBindResponse.AnnotationsEntry
+	18, // 12: tessera.plugin.v1.PreBindResponse.labels:type_name -> tessera.plugin.v1.PreBindResponse.LabelsEntry
 	0,  // 13: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
 	2,  // 14: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	3,  // 15: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
-	5,  // 16: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
-	7,  // 17: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
-	9,  // 18: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
-	11, // 19: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
-	4,  // 20: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
-	6,  // 21: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
-	8,  // 22: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
-	10, // 23: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
-	12, // 24: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
-	20, // [20:25] is the sub-list for method output_type
-	15, // [15:20] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	0,  // 15: tessera.plugin.v1.FilterWhatIfRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 16: tessera.plugin.v1.FilterWhatIfRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	3,  // 17: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
+	5,  // 18: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
+	7,  // 19: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
+	9,  // 20: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
+	11, // 21: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
+	13, // 22: tessera.plugin.v1.Scheduler.FilterWhatIf:input_type -> tessera.plugin.v1.FilterWhatIfRequest
+	4,  // 23: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
+	6,  // 24: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
+	8,  // 25: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
+	10, // 26: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
+	12, // 27: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
+	14, // 28: tessera.plugin.v1.Scheduler.FilterWhatIf:output_type -> tessera.plugin.v1.FilterWhatIfResponse
+	23, // [23:29] is the sub-list for method output_type
+	17, // [17:23] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_api_plugin_v1_plugin_proto_init() }
@@ -994,7 +1177,7 @@ func file_api_plugin_v1_plugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_api_plugin_v1_plugin_proto_rawDesc), len(file_api_plugin_v1_plugin_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   15,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

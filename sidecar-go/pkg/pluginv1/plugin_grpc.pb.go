@@ -27,11 +27,12 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Scheduler_PreFilter_FullMethodName = "/tessera.plugin.v1.Scheduler/PreFilter"
-	Scheduler_Reserve_FullMethodName   = "/tessera.plugin.v1.Scheduler/Reserve"
-	Scheduler_Unreserve_FullMethodName = "/tessera.plugin.v1.Scheduler/Unreserve"
-	Scheduler_PreBind_FullMethodName   = "/tessera.plugin.v1.Scheduler/PreBind"
-	Scheduler_Explain_FullMethodName   = "/tessera.plugin.v1.Scheduler/Explain"
+	Scheduler_PreFilter_FullMethodName    = "/tessera.plugin.v1.Scheduler/PreFilter"
+	Scheduler_Reserve_FullMethodName      = "/tessera.plugin.v1.Scheduler/Reserve"
+	Scheduler_Unreserve_FullMethodName    = "/tessera.plugin.v1.Scheduler/Unreserve"
+	Scheduler_PreBind_FullMethodName      = "/tessera.plugin.v1.Scheduler/PreBind"
+	Scheduler_Explain_FullMethodName      = "/tessera.plugin.v1.Scheduler/Explain"
+	Scheduler_FilterWhatIf_FullMethodName = "/tessera.plugin.v1.Scheduler/FilterWhatIf"
 )
 
 // SchedulerClient is the client API for Scheduler service.
@@ -55,6 +56,12 @@ type SchedulerClient interface {
 	// only when the cycle found no node at all (PostFilter), so PreFilter need not explain
 	// every cycle in which some nodes fit.
 	Explain(ctx context.Context, in *ExplainRequest, opts ...grpc.CallOption) (*ExplainResponse, error)
+	// Whether the pod fits one node in a what-if of kube-scheduler's preemption: the node as it
+	// is, without the pods its dry run removed and with the ones it added (PreFilterExtensions
+	// RemovePod/AddPod: victims added back, or nominated pods of at least the pod's priority),
+	// computed on a copy of that node alone. Asked from Filter only for nodes PreFilter named
+	// preemptible, and only while such a what-if is in effect.
+	FilterWhatIf(ctx context.Context, in *FilterWhatIfRequest, opts ...grpc.CallOption) (*FilterWhatIfResponse, error)
 }
 
 type schedulerClient struct {
@@ -115,6 +122,16 @@ func (c *schedulerClient) Explain(ctx context.Context, in *ExplainRequest, opts 
 	return out, nil
 }
 
+func (c *schedulerClient) FilterWhatIf(ctx context.Context, in *FilterWhatIfRequest, opts ...grpc.CallOption) (*FilterWhatIfResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(FilterWhatIfResponse)
+	err := c.cc.Invoke(ctx, Scheduler_FilterWhatIf_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // SchedulerServer is the server API for Scheduler service.
 // All implementations must embed UnimplementedSchedulerServer
 // for forward compatibility.
@@ -136,6 +153,12 @@ type SchedulerServer interface {
 	// only when the cycle found no node at all (PostFilter), so PreFilter need not explain
 	// every cycle in which some nodes fit.
 	Explain(context.Context, *ExplainRequest) (*ExplainResponse, error)
+	// Whether the pod fits one node in a what-if of kube-scheduler's preemption: the node as it
+	// is, without the pods its dry run removed and with the ones it added (PreFilterExtensions
+	// RemovePod/AddPod: victims added back, or nominated pods of at least the pod's priority),
+	// computed on a copy of that node alone. Asked from Filter only for nodes PreFilter named
+	// preemptible, and only while such a what-if is in effect.
+	FilterWhatIf(context.Context, *FilterWhatIfRequest) (*FilterWhatIfResponse, error)
 	mustEmbedUnimplementedSchedulerServer()
 }
 
@@ -160,6 +183,9 @@ func (UnimplementedSchedulerServer) PreBind(context.Context, *PreBindRequest) (*
 }
 func (UnimplementedSchedulerServer) Explain(context.Context, *ExplainRequest) (*ExplainResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Explain not implemented")
+}
+func (UnimplementedSchedulerServer) FilterWhatIf(context.Context, *FilterWhatIfRequest) (*FilterWhatIfResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method FilterWhatIf not implemented")
 }
 func (UnimplementedSchedulerServer) mustEmbedUnimplementedSchedulerServer() {}
 func (UnimplementedSchedulerServer) testEmbeddedByValue()                   {}
@@ -272,6 +298,24 @@ func _Scheduler_Explain_Handler(srv interface{}, ctx context.Context, dec func(i
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Scheduler_FilterWhatIf_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(FilterWhatIfRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SchedulerServer).FilterWhatIf(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Scheduler_FilterWhatIf_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SchedulerServer).FilterWhatIf(ctx, req.(*FilterWhatIfRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Scheduler_ServiceDesc is the grpc.ServiceDesc for Scheduler service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -298,6 +342,10 @@ var Scheduler_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Explain",
 			Handler:    _Scheduler_Explain_Handler,
+		},
+		{
+			MethodName: "FilterWhatIf",
+			Handler:    _Scheduler_FilterWhatIf_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

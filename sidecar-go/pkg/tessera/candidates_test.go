@@ -20,12 +20,14 @@ func TestPreFilterAsksForCandidatesOnlyForPodsNothingElseNarrows(t *testing.T) {
 	affine.Spec.Affinity = &v1.Affinity{}
 	selected := makePod("selected").gpu("1").obj()
 	selected.Spec.NodeSelector = map[string]string{"gpu": "a100"}
+	nominated := makePod("nominated").gpu("1").obj()
+	nominated.Status.NominatedNodeName = "n2" // by an earlier preemption
 	cases := []struct {
 		pod  *v1.Pod
 		want uint32
 	}{
 		{makePod("plain").gpu("1").obj(), uint32(DefaultCandidateNodes)},
-		{spread, 0}, {affine, 0}, {selected, 0},
+		{spread, 0}, {affine, 0}, {selected, 0}, {nominated, 0},
 	}
 	for _, tc := range cases {
 		if _, st := p.PreFilter(context.Background(), newState(), tc.pod, nil); !st.IsSuccess() {
@@ -57,8 +59,10 @@ func TestRejectedCandidatesSendThePodBackForEveryFeasibleNode(t *testing.T) {
 		t.Fatalf("PreFilter = %v", st)
 	}
 	_, st := p.PostFilter(ctx, state, pod, nil)
-	if st.Code() != fwk.Unschedulable || !strings.Contains(st.Message(), "rejected the 2 best of 900 nodes") {
-		t.Errorf("PostFilter = %v %q, want Unschedulable saying the candidates were rejected", st.Code(), st.Message())
+	// Unresolvable: kube-scheduler runs no later PostFilter plugin (DefaultPreemption) for a pod
+	// that is retried at once with every feasible node.
+	if st.Code() != fwk.UnschedulableAndUnresolvable || !strings.Contains(st.Message(), "rejected the 2 best of 900 nodes") {
+		t.Errorf("PostFilter = %v %q, want UnschedulableAndUnresolvable saying the candidates were rejected", st.Code(), st.Message())
 	}
 	if len(h.activated) != 1 || h.activated[0] != "default/p" {
 		t.Errorf("activated = %v, want the pod sent back to the active queue", h.activated)

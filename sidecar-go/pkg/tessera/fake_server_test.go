@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -44,7 +45,10 @@ type fakeServer struct {
 	reserveHandsOver bool
 	explain          string // Explain's answer
 	lastExpl         *pluginv1.ExplainRequest
-	traceparts       []string
+	// whatIf answers FilterWhatIf (nil: the pod does not fit); whatIfs records the requests.
+	whatIf     func(*pluginv1.FilterWhatIfRequest) *pluginv1.FilterWhatIfResponse
+	whatIfs    []*pluginv1.FilterWhatIfRequest
+	traceparts []string
 }
 
 func (s *fakeServer) record(ctx context.Context, method string) error {
@@ -129,6 +133,26 @@ func (s *fakeServer) Explain(ctx context.Context, req *pluginv1.ExplainRequest) 
 	defer s.mu.Unlock()
 	s.lastExpl = req
 	return &pluginv1.ExplainResponse{Message: s.explain}, nil
+}
+
+func (s *fakeServer) FilterWhatIf(ctx context.Context, req *pluginv1.FilterWhatIfRequest) (*pluginv1.FilterWhatIfResponse, error) {
+	if err := s.record(ctx, "FilterWhatIf"); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.whatIfs = append(s.whatIfs, req)
+	if s.whatIf == nil {
+		return &pluginv1.FilterWhatIfResponse{Message: "fake: no what-if answer set"}, nil
+	}
+	return s.whatIf(req), nil
+}
+
+// askedWhatIfs returns the FilterWhatIf requests so far.
+func (s *fakeServer) askedWhatIfs() []*pluginv1.FilterWhatIfRequest {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.whatIfs)
 }
 
 func (s *fakeServer) set(f func(s *fakeServer)) {
@@ -237,6 +261,11 @@ func (b *podBuilder) label(k, v string) *podBuilder {
 		b.pod.Labels = map[string]string{}
 	}
 	b.pod.Labels[k] = v
+	return b
+}
+
+func (b *podBuilder) priority(p int32) *podBuilder {
+	b.pod.Spec.Priority = &p
 	return b
 }
 

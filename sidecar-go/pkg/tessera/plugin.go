@@ -1,8 +1,9 @@
 // Package tessera is the kube-scheduler framework plugin that forwards Tessera's scheduling
 // decisions to the Python plugin server over gRPC. It owns no scheduling logic: PreFilter asks the
 // server once per cycle for every node's verdict and score, Filter and Score read that answer from
-// CycleState, and Reserve/Unreserve/PreBind are single calls. Pods that request no Tessera
-// resource never reach the server.
+// CycleState, and Reserve/Unreserve/PreBind are single calls. Only preemption's dry run asks
+// more: FilterWhatIf, for a preemptible node some of whose GPU pods count as gone. Pods that
+// request no Tessera resource never reach the server.
 package tessera
 
 import (
@@ -179,21 +180,27 @@ type Plugin struct {
 	// (bindsFirst decides once).
 	bindOrder sync.Once
 	handsOver bool
+	// postFilterOrder: checkPreemptsAfter logs a profile without DefaultPreemption after
+	// Tessera once.
+	postFilterOrder sync.Once
 	// wide holds pods whose candidates were all rejected: they get every feasible node.
 	wide wideSet
+	// nodeEvents: when the last node event arrived (retryIfStale).
+	nodeEvents nodeEventClock
 }
 
 var (
-	_ fwk.PreFilterPlugin   = &Plugin{}
-	_ fwk.FilterPlugin      = &Plugin{}
-	_ fwk.PostFilterPlugin  = &Plugin{}
-	_ fwk.PreScorePlugin    = &Plugin{}
-	_ fwk.ScorePlugin       = &Plugin{}
-	_ fwk.ReservePlugin     = &Plugin{}
-	_ fwk.PreBindPlugin     = &Plugin{}
-	_ fwk.BindPlugin        = &Plugin{}
-	_ fwk.SignPlugin        = &Plugin{}
-	_ fwk.EnqueueExtensions = &Plugin{}
+	_ fwk.PreFilterPlugin     = &Plugin{}
+	_ fwk.PreFilterExtensions = &Plugin{}
+	_ fwk.FilterPlugin        = &Plugin{}
+	_ fwk.PostFilterPlugin    = &Plugin{}
+	_ fwk.PreScorePlugin      = &Plugin{}
+	_ fwk.ScorePlugin         = &Plugin{}
+	_ fwk.ReservePlugin       = &Plugin{}
+	_ fwk.PreBindPlugin       = &Plugin{}
+	_ fwk.BindPlugin          = &Plugin{}
+	_ fwk.SignPlugin          = &Plugin{}
+	_ fwk.EnqueueExtensions   = &Plugin{}
 )
 
 // New is the plugin factory registered with app.WithPlugin.

@@ -21,10 +21,25 @@ const decisionKey fwk.StateKey = Name + "/decision"
 type decision struct {
 	id uint64
 	// scores holds every feasible node's score; a node absent here does not fit.
-	scores            map[string]int64
+	scores map[string]int64
+	// preemptible holds the nodes that do not fit but would without some of the pod's
+	// lower-priority pods: the only nodes where Filter answers Unschedulable (preemption may
+	// help) rather than UnschedulableAndUnresolvable, and asks FilterWhatIf in a dry run.
+	preemptible sets.Set[string]
+	// podJSON is the pod as PreFilter sent it, kept for FilterWhatIf (only with preemptible).
+	podJSON           []byte
 	infeasibleMessage string
 	// feasibleTotal > 0: scores holds only the best candidates of that many feasible nodes.
 	feasibleTotal uint32
+}
+
+// rejection is a rejected node's Filter message.
+func (d *decision) rejection() string {
+	if d.infeasibleMessage == "" {
+		// The server explains lazily: PostFilter asks for the details if the cycle fails.
+		return genericInfeasible
+	}
+	return d.infeasibleMessage
 }
 
 // Clone implements fwk.StateData.
@@ -53,8 +68,13 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Po
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	ctx, traced := p.tracing.startAttempt(ctx, state, pod)
-	resp, err := p.askPreFilter(ctx, pod)
-	res, st := answerPreFilter(state, resp, err, p.args.Timeout.Duration)
+	state.Write(askedKey, askedAt(time.Now()))
+	podJSON, err := encodePod(pod)
+	var resp *pluginv1.PreFilterResponse
+	if err == nil {
+		resp, err = p.askPreFilter(ctx, pod, podJSON)
+	}
+	res, st := answerPreFilter(state, resp, err, podJSON, p.args.Timeout.Duration)
 	traced.endPreFilter(st, resp, err, p.tracing.grace)
 	if st.IsSuccess() {
 		trimFitRequests(state, p.resources[1:])
@@ -65,14 +85,19 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Po
 // errEncodingPod marks a pod the shim could not encode; nothing was sent.
 var errEncodingPod = errors.New("encoding pod")
 
-func (p *Plugin) askPreFilter(ctx context.Context, pod *v1.Pod) (*pluginv1.PreFilterResponse, error) {
-	// managedFields is often the bulk of a pod's JSON and nothing the server reads.
+// encodePod is the pod as the server reads it. managedFields is often the bulk of a pod's
+// JSON and nothing the server reads.
+func encodePod(pod *v1.Pod) ([]byte, error) {
 	trimmed := *pod
 	trimmed.ManagedFields = nil
 	podJSON, err := json.Marshal(&trimmed)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w %s/%s: %w", Name, errEncodingPod, pod.Namespace, pod.Name, err)
 	}
+	return podJSON, nil
+}
+
+func (p *Plugin) askPreFilter(ctx context.Context, pod *v1.Pod, podJSON []byte) (*pluginv1.PreFilterResponse, error) {
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
 	return p.client.PreFilter(callCtx, &pluginv1.PreFilterRequest{
@@ -85,18 +110,20 @@ func (p *Plugin) askPreFilter(ctx context.Context, pod *v1.Pod) (*pluginv1.PreFi
 
 // candidateNodes is how many of the best feasible nodes to ask for (0: all). Pods another
 // plugin is likely to narrow to few nodes (node selector, affinity, topology spread), and pods
-// whose candidates were all rejected before, get every feasible node.
+// whose candidates were all rejected before, get every feasible node; so do pods nominated by
+// preemption, whose nominated node kube-scheduler tries first and a limit could leave out.
 func (p *Plugin) candidateNodes(pod *v1.Pod) uint32 {
 	limit := *p.args.CandidateNodes
 	if limit <= 0 || pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil ||
-		len(pod.Spec.TopologySpreadConstraints) > 0 || p.wide.has(pod.UID) {
+		len(pod.Spec.TopologySpreadConstraints) > 0 || pod.Status.NominatedNodeName != "" || p.wide.has(pod.UID) {
 		return 0
 	}
 	return uint32(limit)
 }
 
-// answerPreFilter turns the server's answer into the framework's, storing an OK decision.
-func answerPreFilter(state fwk.CycleState, resp *pluginv1.PreFilterResponse, err error, timeout time.Duration) (*fwk.PreFilterResult, *fwk.Status) {
+// answerPreFilter turns the server's answer into the framework's, storing a decision for an OK
+// answer and for an UNSCHEDULABLE one that names preemptible nodes.
+func answerPreFilter(state fwk.CycleState, resp *pluginv1.PreFilterResponse, err error, podJSON []byte, timeout time.Duration) (*fwk.PreFilterResult, *fwk.Status) {
 	if errors.Is(err, errEncodingPod) {
 		return nil, fwk.AsStatus(err)
 	}
@@ -105,16 +132,17 @@ func answerPreFilter(state fwk.CycleState, resp *pluginv1.PreFilterResponse, err
 	}
 	switch resp.GetCode() {
 	case pluginv1.PreFilterResponse_OK:
-		return storeDecision(state, resp)
+		return storeDecision(state, resp, podJSON)
 	case pluginv1.PreFilterResponse_SKIP:
 		return nil, fwk.NewStatus(fwk.Skip)
 	case pluginv1.PreFilterResponse_UNSCHEDULABLE:
-		// The header-less per-class reasons: kube-scheduler adds its own "0/N nodes" count.
-		msg := resp.GetInfeasibleMessage()
-		if msg == "" {
-			msg = resp.GetMessage()
+		if len(resp.GetPreemptibleNodes()) > 0 {
+			// No node fits now, but preemption may make room: Success with the decision, so
+			// Filter runs and tells DefaultPreemption which nodes to try (an Unresolvable
+			// PreFilter would rule out every node).
+			return storeDecision(state, resp, podJSON)
 		}
-		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, msg)
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, infeasibleMessage(resp))
 	case pluginv1.PreFilterResponse_INVALID:
 		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, resp.GetMessage())
 	default:
@@ -122,17 +150,22 @@ func answerPreFilter(state fwk.CycleState, resp *pluginv1.PreFilterResponse, err
 	}
 }
 
-func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk.PreFilterResult, *fwk.Status) {
-	nodes, scores := resp.GetFeasibleNodes(), resp.GetScores()
+// infeasibleMessage is why no node fits: the header-less per-class reasons (kube-scheduler adds
+// its own "0/N nodes" count).
+func infeasibleMessage(resp *pluginv1.PreFilterResponse) string {
+	if msg := resp.GetInfeasibleMessage(); msg != "" {
+		return msg
+	}
+	return resp.GetMessage()
+}
+
+func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse, podJSON []byte) (*fwk.PreFilterResult, *fwk.Status) {
+	nodes, scores, preemptible := resp.GetFeasibleNodes(), resp.GetScores(), resp.GetPreemptibleNodes()
 	if len(nodes) != len(scores) {
 		return nil, fwk.AsStatus(fmt.Errorf("tessera plugin server failed PreFilter: %d feasible nodes but %d scores", len(nodes), len(scores)))
 	}
-	if len(nodes) == 0 {
-		msg := resp.GetInfeasibleMessage()
-		if msg == "" {
-			msg = resp.GetMessage()
-		}
-		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, msg)
+	if len(nodes) == 0 && len(preemptible) == 0 {
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, infeasibleMessage(resp))
 	}
 	for i, s := range scores {
 		if s < 0 || s > fwk.MaxNodeScore {
@@ -145,10 +178,20 @@ func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk
 		infeasibleMessage: resp.GetInfeasibleMessage(),
 		feasibleTotal:     resp.GetFeasibleTotal(),
 	}
+	if resp.GetCode() == pluginv1.PreFilterResponse_UNSCHEDULABLE {
+		d.infeasibleMessage = infeasibleMessage(resp)
+	}
 	names := sets.New[string]()
 	for i, n := range nodes {
 		d.scores[n] = scores[i]
 		names.Insert(n)
+	}
+	if len(preemptible) > 0 {
+		d.preemptible = sets.New(preemptible...)
+		d.podJSON = podJSON
+		// Preemption dry-runs only nodes whose Filter said Unschedulable; a node left out of
+		// the PreFilterResult counts as UnschedulableAndUnresolvable.
+		names = names.Union(d.preemptible)
 	}
 	state.Write(decisionKey, d)
 	if d.infeasibleMessage != "" {
@@ -157,13 +200,12 @@ func storeDecision(state fwk.CycleState, resp *pluginv1.PreFilterResponse) (*fwk
 		// satisfy plugin(s)".
 		return nil, nil
 	}
-	// The feasible nodes as the PreFilterResult: kube-scheduler then runs no filter (its own
-	// included, e.g. NodeResourcesFit's per-resource checks) on nodes Tessera already
-	// rejected. Their explanation comes from PostFilter if the cycle fails.
+	// The feasible and preemptible nodes as the PreFilterResult: kube-scheduler then runs no
+	// filter (its own included, e.g. NodeResourcesFit's per-resource checks) on nodes Tessera
+	// already rejected. Their explanation comes from PostFilter if the cycle fails.
 	return &fwk.PreFilterResult{NodeNames: names}, nil
 }
 
-// PreFilterExtensions returns nil: the server's verdicts do not yet answer "what if these pods
-// were added or removed", so preemption cannot free GPUs through this plugin (a later protocol
-// version adds it).
-func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return nil }
+// PreFilterExtensions returns the plugin: its AddPod/RemovePod record preemption's what-ifs
+// (whatif.go).
+func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return p }

@@ -71,9 +71,10 @@ func TestPreFilterDecisionServesFilterAndScoreWithoutFurtherRPC(t *testing.T) {
 			t.Errorf("Filter(%s) = %v, want Success", n, st)
 		}
 	}
+	// Not preemptible either: Unresolvable, so preemption's dry run skips it.
 	st = p.Filter(ctx, state, pod, nodeInfo("n3"))
-	if st.Code() != fwk.Unschedulable || !strings.Contains(st.Message(), "insufficient GPU memory") {
-		t.Errorf("Filter(n3) = %v, want Unschedulable with the server's infeasible message", st)
+	if st.Code() != fwk.UnschedulableAndUnresolvable || !strings.Contains(st.Message(), "insufficient GPU memory") {
+		t.Errorf("Filter(n3) = %v, want UnschedulableAndUnresolvable with the server's infeasible message", st)
 	}
 	if st := p.PreScore(ctx, state, pod, nil); !st.IsSuccess() {
 		t.Errorf("PreScore = %v, want Success", st)
@@ -236,8 +237,8 @@ func TestPostFilterAsksWhyOnlyWhenPreFilterExplainedNothing(t *testing.T) {
 			}
 			if tc.preFilter.GetInfeasibleMessage() == "" {
 				st := p.Filter(ctx, state, pod, nodeInfo("n3"))
-				if st.Code() != fwk.Unschedulable || st.Message() != genericInfeasible {
-					t.Errorf("Filter(n3) = %v, want Unschedulable %q", st, genericInfeasible)
+				if st.Code() != fwk.UnschedulableAndUnresolvable || st.Message() != genericInfeasible {
+					t.Errorf("Filter(n3) = %v, want UnschedulableAndUnresolvable %q", st, genericInfeasible)
 				}
 			}
 			fake.set(func(s *fakeServer) { s.err = tc.serverErr })

@@ -29,7 +29,7 @@ func TestScoresPassUnchangedAndOutOfRangeOnesAreRefused(t *testing.T) {
 				resp.Scores = append(resp.Scores, s)
 			}
 			state := newState()
-			_, st := answerPreFilter(state, resp, nil, p.args.Timeout.Duration)
+			_, st := answerPreFilter(state, resp, nil, nil, p.args.Timeout.Duration)
 			if tc.bad == "" {
 				if !st.IsSuccess() {
 					t.Fatalf("status = %v", st)

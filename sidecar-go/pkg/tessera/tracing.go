@@ -39,6 +39,9 @@ const (
 	SpanReserve   = "tessera.Reserve"
 	SpanUnreserve = "tessera.Unreserve"
 	SpanPreBind   = "tessera.PreBind"
+	// SpanFilterWhatIf is one node's what-if in preemption's dry run; the root may have
+	// ended by then (PreFilter found no node that fits now).
+	SpanFilterWhatIf = "tessera.FilterWhatIf"
 	// SpanBind is the Binding write (an API call, no RPC).
 	SpanBind = "tessera.Bind"
 )
@@ -161,6 +164,19 @@ func (t tracing) startPhase(ctx context.Context, state fwk.CycleState, name, met
 	return callCtx, call{span: span, attempt: a}
 }
 
+// startWhatIf starts FilterWhatIf's client span under the attempt's root. Unlike startPhase it
+// leaves the root's node alone: the dry run asks about many nodes.
+func (t tracing) startWhatIf(ctx context.Context, state fwk.CycleState, pod *v1.Pod, node string) (context.Context, call) {
+	if t.tracer == nil {
+		return ctx, call{}
+	}
+	if a := readAttempt(state); a != nil {
+		ctx = trace.ContextWithSpan(ctx, a.span)
+	}
+	callCtx, span := t.startCall(ctx, SpanFilterWhatIf, "FilterWhatIf", pod, node)
+	return callCtx, call{span: span}
+}
+
 // startBind starts the span of Bind's Binding write under the attempt's root.
 func (t tracing) startBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, node string) (context.Context, call) {
 	if t.tracer == nil {
@@ -233,6 +249,10 @@ func (c call) endPreFilter(st *fwk.Status, resp *pluginv1.PreFilterResponse, err
 		outcome = OutcomeInvalid
 	case st.Code() == fwk.Error:
 		err = st.AsError()
+	case resp.GetCode() == pluginv1.PreFilterResponse_UNSCHEDULABLE:
+		// Success only so that preemption may try the preemptible nodes: this attempt
+		// places the pod nowhere.
+		outcome = OutcomeUnschedulable
 	}
 	if resp != nil {
 		c.span.SetAttributes(AttrDecisionID.Int64(int64(resp.GetDecisionId())),

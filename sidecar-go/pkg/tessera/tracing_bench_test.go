@@ -39,6 +39,10 @@ func (c memClient) Explain(ctx context.Context, _ *pluginv1.ExplainRequest, _ ..
 	return &pluginv1.ExplainResponse{}, intercept(ctx, "Explain")
 }
 
+func (c memClient) FilterWhatIf(ctx context.Context, _ *pluginv1.FilterWhatIfRequest, _ ...grpc.CallOption) (*pluginv1.FilterWhatIfResponse, error) {
+	return &pluginv1.FilterWhatIfResponse{}, intercept(ctx, "FilterWhatIf")
+}
+
 // BenchmarkCycle runs PreFilter, Reserve and PreBind of one GPU pod per iteration.
 // Compare off with on-no-exporter (spans recorded, then dropped) for the cost of tracing.
 func BenchmarkCycle(b *testing.B) {

@@ -139,6 +139,8 @@ func TestAttemptEndsWithPreFilterUnlessOK(t *testing.T) {
 		isError bool
 	}{
 		{"unschedulable", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_UNSCHEDULABLE, Message: "no GPU"}, nil, OutcomeUnschedulable, false},
+		{"unschedulable but preemptible", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_UNSCHEDULABLE,
+			InfeasibleMessage: "no free GPU", PreemptibleNodes: []string{"n2"}}, nil, OutcomeUnschedulable, false},
 		{"no feasible node in an OK answer", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_OK}, nil, OutcomeUnschedulable, false},
 		{"invalid pod", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_INVALID, Message: "bad"}, nil, OutcomeInvalid, false},
 		{"server skips", &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}, nil, OutcomeSkip, false},
