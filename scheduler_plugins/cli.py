@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sim = sub.add_parser("simulate", help="where would these pods go, and if not, why")
+    sim = sub.add_parser(
+        "simulate", help="where would these pods go, and if not, why (and whom they would preempt)"
+    )
     sim.add_argument("--cluster", required=True, help="Nodes and existing Pods (YAML)")
     sim.add_argument("--pods", required=True, help="Pods to place, in order (YAML)")
     sim.add_argument("--config", help="device-config.yaml (default: built-in defaults)")

@@ -3,21 +3,34 @@
 Reads a cluster snapshot (Nodes and existing Pods) and a list of pods to place, runs the
 same core the plugin server runs, and places the pods one after another, each placement
 counting for the next.
+
+A pod that fits nowhere but outranks pods that hold GPUs (``spec.priority``; a
+``priorityClassName`` is not resolved here) gets the pods kube-scheduler's preemption would
+preempt for it, and the node: its DefaultPreemption algorithm over Tessera's what-ifs
+(``core.whatif.select_victims``/``pick_node``). PodDisruptionBudgets are not modelled
+(kube-scheduler tries to spare the pods whose preemption would violate one first, and prefers
+nodes with fewer of them), nor are kube-scheduler's other resources (CPU, memory). The
+preemption is only shown: the victims stay in the simulated cluster, as they do until they
+are gone, and the pod stays unschedulable in this attempt.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import numpy as np
+import numpy.typing as npt
 import yaml
 
 from api.errors import InvalidAnnotationError, InvalidInputError, InvalidRequestError
 from api.hami.config import YAML_LOADER, DeviceConfig
-from api.kube.objects import pod_key
+from api.kube.objects import as_object, pod_key
 from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.decide import decide
 from scheduler_plugins.core.explain import explain
@@ -29,10 +42,23 @@ from scheduler_plugins.core.requests import (
     parse_request,
 )
 from scheduler_plugins.core.state import ClusterState
+from scheduler_plugins.core.whatif import Candidate, pick_node, preemptible_nodes, select_victims
 
 
 class SimulationInputError(InvalidInputError):
     """An input file or one of its objects is invalid; the message names both."""
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """What kube-scheduler's preemption would do for an unschedulable pod: preempt
+    ``victims`` (most important first) on ``node``."""
+
+    node: str
+    victims: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"would preempt {', '.join(self.victims)} on node {self.node}"
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,7 @@ class Result:
     node: str | None
     annotations: dict[str, str]
     reason: str
+    preempt: Preempt | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -51,6 +78,9 @@ class Result:
                 "node": self.node,
                 "annotations": self.annotations,
                 "reason": self.reason,
+                "preempt": None
+                if self.preempt is None
+                else {"node": self.preempt.node, "victims": list(self.preempt.victims)},
             },
             separators=(",", ":"),
         )
@@ -116,6 +146,18 @@ class Skipped:
         return f"{self.kind} {self.name} skipped: {self.reason}"
 
 
+def start_time(pod: Mapping[str, Any]) -> float:
+    """``status.startTime`` in seconds; ``math.inf`` when the pod has not started (or the time
+    cannot be read): kube-scheduler takes "now" for those, later than any start."""
+    raw = as_object(pod.get("status")).get("startTime")
+    if not isinstance(raw, str):
+        return math.inf
+    try:
+        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return math.inf
+
+
 def build_cluster(
     objects: list[dict[str, Any]], config: DeviceConfig, source: Path
 ) -> tuple[ClusterState, list[Skipped]]:
@@ -172,7 +214,9 @@ class Simulation:
     iterating places the pods one after another, each placement counting for the next."""
 
     def __init__(self, cluster_path: Path, pods_path: Path, config: DeviceConfig) -> None:
-        self._state, self.skipped = build_cluster(load_objects(cluster_path), config, cluster_path)
+        cluster = load_objects(cluster_path)
+        self._state, self.skipped = build_cluster(cluster, config, cluster_path)
+        self._started = {pod_key(o): start_time(o) for o in cluster if o["kind"] == "Pod"}
         self._requests: list[PodRequest] = []
         seen: set[str] = set()
         for obj in load_objects(pods_path):
@@ -204,7 +248,14 @@ class Simulation:
             decision = decide(state, req)
             node = decision.best_node()
             if node is None:
-                yield Result(req.key, "Unschedulable", None, {}, explain(decision, state))
+                why = explain(decision, state)
+                preempt = self._preemption(req, decision.feasible)
+                if preempt is not None:
+                    why += (
+                        f"; {preempt} (kube-scheduler's preemption; PodDisruptionBudgets not "
+                        "modelled)"
+                    )
+                yield Result(req.key, "Unschedulable", None, {}, why, preempt)
                 continue
             plan = decision.plan_for(node)
             assert plan is not None
@@ -218,8 +269,29 @@ class Simulation:
                 f"kube-scheduler), GPU score {gpu_scores} ({req.gpu_policy}), "
                 f"{feasible}/{total} nodes feasible"
             )
-            state.assume(plan.allocation(req.cpu_milli, req.memory_bytes))
+            state.assume(
+                plan.allocation(req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority)
+            )
             yield Result(req.key, "Scheduled", node, bind_annotations(plan), reason)
+
+    def _preemption(self, req: PodRequest, feasible: npt.NDArray[np.bool_]) -> Preempt | None:
+        """Whom kube-scheduler's preemption would preempt for ``req``, and where: its choice
+        of victims on every node where preempting could make room, then its choice of node
+        (ties: the first by name)."""
+        state = self._state
+        candidates = []
+        for node in sorted(preemptible_nodes(state, req, feasible)):
+            pods = [
+                Candidate(a.key, a.priority, self._started.get(a.key, math.inf))
+                for a in state.pods_on(node)
+            ]
+            victims = select_victims(state, req, node, pods)
+            if victims is not None:
+                candidates.append(victims)
+        chosen = pick_node(candidates)
+        if chosen is None:
+            return None
+        return Preempt(chosen.node, tuple(v.key for v in chosen.pods))
 
 
 def simulate(cluster_path: Path, pods_path: Path, config: DeviceConfig) -> Simulation:
@@ -228,6 +300,8 @@ def simulate(cluster_path: Path, pods_path: Path, config: DeviceConfig) -> Simul
 
 
 def render_table(results: list[Result], skipped: Sequence[Skipped] = ()) -> str:
+    """One row per pod; an unschedulable pod's reason ends with the pods kube-scheduler's
+    preemption would preempt for it ("would preempt a, b on node X")."""
     rows = [("POD", "STATUS", "NODE", "DEVICES", "REASON")]
     for r in results:
         rows.append((r.pod, r.status, r.node or "-", _devices_summary(r.annotations), r.reason))

@@ -47,6 +47,41 @@ def finished(pod: Mapping[str, Any]) -> bool:
     return as_object(pod.get("status")).get("phase") in ("Succeeded", "Failed")
 
 
+def pod_priority(pod: Mapping[str, Any]) -> int:
+    """``spec.priority`` (admission resolves it from the PriorityClass), 0 when unset, as
+    kube-scheduler's ``PodPriority`` reads it; a value that is not a whole number counts as
+    unset too."""
+    value = as_object(pod.get("spec")).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def nominated_node(pod: Mapping[str, Any]) -> str:
+    """``status.nominatedNodeName``: the node kube-scheduler's preemption made room on for a
+    pod not bound yet ("" when none)."""
+    value = as_object(pod.get("status")).get("nominatedNodeName")
+    return value if isinstance(value, str) else ""
+
+
+PREEMPTION_BY_SCHEDULER: Final = "PreemptionByScheduler"
+"""The reason of the ``DisruptionTarget`` condition kube-scheduler sets on a pod it preempts,
+just before it deletes the pod."""
+
+
+def preempted_by_scheduler(pod: Mapping[str, Any]) -> bool:
+    """The pod carries kube-scheduler's ``DisruptionTarget`` condition (True, reason
+    ``PreemptionByScheduler``): it is being deleted to make room for a higher-priority pod."""
+    conditions = as_object(pod.get("status")).get("conditions")
+    if not isinstance(conditions, list):
+        return False
+    return any(
+        isinstance(c, dict)
+        and c.get("type") == "DisruptionTarget"
+        and c.get("status") == "True"
+        and c.get("reason") == PREEMPTION_BY_SCHEDULER
+        for c in conditions
+    )
+
+
 _QUANTITY_RE: Final = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]{0,2})$")
 _SUFFIX: Final = {
     "": Decimal(1),

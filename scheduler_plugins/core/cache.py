@@ -15,6 +15,10 @@ Owns three overlays on what the API shows:
 - a *generation* that changes with every change that can alter a decision, so a cached
   Decision is used only while it is still exact.
 
+It also tells listeners what kube-scheduler's preemption does (``on_preemption``): a pod marked
+for preemption (it keeps counting until the watch shows it gone, so its devices are never
+handed out twice), an unbound pod nominated to a node.
+
 Everything here runs under one lock (``lock``): the core is single-threaded. The objects fed
 in are the raw JSON dicts of the API; only annotations and phase are read, and an event that
 changes neither is not parsed again.
@@ -36,7 +40,13 @@ from api.errors import InvalidInputError
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
 from api.hami.matching import is_candidate, to_allocate
-from api.kube.objects import all_containers, annotations_of, pod_key
+from api.kube.objects import (
+    all_containers,
+    annotations_of,
+    nominated_node,
+    pod_key,
+    preempted_by_scheduler,
+)
 from scheduler_plugins.core.nodes import parse_node
 from scheduler_plugins.core.requests import PodAllocation, counts_against_capacity, parse_allocation
 from scheduler_plugins.core.state import ClusterState
@@ -88,6 +98,9 @@ def _clash(counts: frozenset[int] | None, wanted: frozenset[int]) -> bool:
 
 
 _ANY: Final = -1  # busy-index key of a pod whose counts are unknown: it clashes with all
+# Positions in a pod's fingerprint (``ClusterCache.apply_pod``).
+_PREEMPTED: Final = 7
+_NOMINATED: Final = 8
 
 
 def _count_keys(counts: frozenset[int] | None) -> tuple[int, ...]:
@@ -109,6 +122,10 @@ class ClusterCache:
         self._listeners: list[Callable[[], None]] = []
         self._settled_listeners: list[Callable[[str], None]] = []
         self._legacy_listeners: list[Callable[[Obj, PodAllocation], object]] = []
+        self._victim_listeners: list[Callable[[Obj, PodAllocation | None], object]] = []
+        # Pods marked for preemption, until they are gone (``leaving``).
+        self._leaving: set[str] = set()
+        self._nominated_listeners: list[Callable[[Obj, str], object]] = []
         self._node_seen: dict[str, tuple[object, ...]] = {}
         self._pod_seen: dict[str, tuple[object, ...]] = {}
         # The allocation last parsed from each pod, with what it was parsed from (node, the
@@ -155,6 +172,28 @@ class ClusterCache:
         read holding MIG devices HAMi <= v2.9 placed: their GPUs take no new work."""
         with self.lock:
             self._legacy_listeners.append(callback)
+
+    def on_preemption(
+        self,
+        victim: Callable[[Obj, PodAllocation | None], object],
+        nominated: Callable[[Obj, str], object],
+    ) -> None:
+        """Call ``victim(pod, what it holds)`` when the watch first shows a pod marked for
+        preemption by kube-scheduler (``DisruptionTarget``, ``PreemptionByScheduler``; it keeps
+        counting until it is gone), and ``nominated(pod, node)`` when it shows an unbound pod
+        nominated to another node (kube-scheduler's preemption made room there for it, or it
+        is about to be bound there), ``node`` "" when it no longer is (bound, or the
+        nomination cleared). Under the lock; keep them short."""
+        with self.lock:
+            self._victim_listeners.append(victim)
+            self._nominated_listeners.append(nominated)
+
+    def leaving(self) -> frozenset[str]:
+        """Pods kube-scheduler marked for preemption that are not gone yet: they still count
+        (``state``), but a preemption what-if counts them as gone, as kube-scheduler does
+        once it has seen them deleted (else it would preempt more pods for the same room)."""
+        with self.lock:
+            return frozenset(self._leaving)
 
     def _settled(self, key: str) -> None:
         for cb in self._settled_listeners:
@@ -251,11 +290,14 @@ class ClusterCache:
         # order, and a spurious difference costs only a re-parse) ...
         source = (
             node_name,
+            meta.get("uid"),  # a recreated namesake is another pod (preemption names uids)
             annotations.get(ann.DEVICES_ALLOCATED),
             annotations.get(ann.MIG_ALLOCATIONS),
             repr([c.get("resources") for c in all_containers(pod)]),
         )
         # ... and what else the cache reads: an event that changes none of it is skipped.
+        preempted = preempted_by_scheduler(pod)
+        nominated = "" if spec.get("nodeName") else nominated_node(pod)
         fp: tuple[object, ...] = (
             counts,
             spec.get("nodeName"),
@@ -264,15 +306,31 @@ class ClusterCache:
             annotations.get(ann.BIND_TIME),
             annotations.get(ann.BIND_PHASE),
             annotations.get(ann.DEVICES_TO_ALLOCATE),
+            preempted,
+            nominated,
             source,
         )
         with self.lock:
-            if self._pod_seen.get(key) == fp:
+            before = self._pod_seen.get(key)
+            if before == fp:
                 return
             try:
                 self._apply_pod(pod, key, fp, spec, annotations, counts, node_name)
             finally:
                 self._refresh_inflight(key)
+            # A pod marked for preemption still counts (its record stays until it is gone):
+            # its devices are never handed out while it may still hold them.
+            if preempted:
+                self._leaving.add(key)
+            else:
+                self._leaving.discard(key)
+            if preempted and (before is None or not before[_PREEMPTED]):
+                held = self.state.allocation(key)
+                for victim_cb in self._victim_listeners:
+                    victim_cb(pod, held)
+            if (before[_NOMINATED] if before is not None else "") != nominated:
+                for nominated_cb in self._nominated_listeners:
+                    nominated_cb(pod, nominated)
 
     def _apply_pod(
         self,
@@ -396,6 +454,7 @@ class ClusterCache:
 
     def forget_pod(self, key: str) -> None:
         with self.lock:
+            self._leaving.discard(key)
             self._settled(key)
             self._pod_seen.pop(key, None)
             self._parsed.pop(key, None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from api.hami.devices import DeviceAlloc, MigAllocation
 from api.hami.keys import GpuMode
-from api.hami.register import Placement
+from api.hami.register import GpuDevice, Placement
 from scheduler_plugins.core import ranking, rules
 from scheduler_plugins.core.mig_policy import smallest_rank
 from scheduler_plugins.core.requests import ContainerRequest, PodAllocation, PodRequest
@@ -63,7 +63,9 @@ class PodPlan:
     node: str
     containers: tuple[tuple[PlannedDevice, ...], ...]
 
-    def allocation(self, cpu_milli: int = 0, memory_bytes: int = 0) -> PodAllocation:
+    def allocation(
+        self, cpu_milli: int = 0, memory_bytes: int = 0, *, uid: str = "", priority: int = 0
+    ) -> PodAllocation:
         shared: list[DeviceAlloc] = []
         mig: list[MigAllocation] = []
         for ci, devices in enumerate(self.containers):
@@ -73,7 +75,14 @@ class PodPlan:
                 else:
                     shared.append(DeviceAlloc(d.uuid, d.mem, d.cores))
         return PodAllocation(
-            self.pod, self.node, tuple(shared), tuple(mig), cpu_milli, memory_bytes
+            self.pod,
+            self.node,
+            tuple(shared),
+            tuple(mig),
+            cpu_milli,
+            memory_bytes,
+            uid=uid,
+            priority=priority,
         )
 
     def device_allocs(self) -> tuple[tuple[DeviceAlloc, ...], ...]:
@@ -172,45 +181,8 @@ class Decision:
         if s < 0 or not self.feasible[s]:
             return None
         plans, row = self._plans_of(s)
-        state = self._state
-        g = state.gpus
-        per_container: dict[int, tuple[PlannedDevice, ...]] = {}
-        for cp in plans:
-            devices: list[PlannedDevice] = []
-            for k in range(cp.request.count):
-                r = int(cp.rows[row, k])
-                uuid = _row_uuid(state, node, r)
-                rank = int(cp.mig_rank[row, k])
-                if rank >= 0:
-                    geom = state.geometries[int(g.geom[r])]
-                    prof = geom.profiles[rank]
-                    start = int(cp.mig_start[row, k])
-                    size = next(p.size for p in prof.placements if p.start == start)
-                    devices.append(
-                        PlannedDevice(
-                            uuid,
-                            prof.memory_mb,
-                            prof.core,
-                            prof.name,
-                            Placement(start, size),
-                            float(cp.gpu_score[row, k]),
-                        )
-                    )
-                else:
-                    devices.append(
-                        PlannedDevice(
-                            uuid,
-                            cp.request.mem_for(int(g.mem[r])),
-                            cp.request.cores,
-                            gpu_score=float(cp.gpu_score[row, k]),
-                        )
-                    )
-            per_container[cp.request.index] = tuple(devices)
-        return PodPlan(
-            self.request.key,
-            node,
-            tuple(per_container.get(i, ()) for i in range(self.request.container_count)),
-        )
+        entry = self._state.nodes[node]
+        return _plan_of(self._state, self.request, node, entry.devices, plans, row, entry.start)
 
     def verdicts(self) -> list[tuple[str, bool, float, list[str]]]:
         """(node, feasible, score, reasons) for every node, sorted by name (for people)."""
@@ -279,12 +251,60 @@ class _Evaluated:
         return i if i < self.segs.size and int(self.segs[i]) == s else -1
 
 
-def _row_uuid(state: ClusterState, node: str, row: int) -> str:
-    entry = state.nodes[node]
-    return entry.devices[row - entry.start].id
+def _plan_of(
+    src: _StateLike,
+    request: PodRequest,
+    node: str,
+    devices_of: tuple[GpuDevice, ...],
+    plans: list[_ContainerPlan],
+    row: int,
+    first_row: int,
+) -> PodPlan:
+    """The devices ``plans`` (row ``row`` of an evaluation) give ``request`` on ``node``, whose
+    GPUs (``devices_of``, in index order) are ``src``'s rows from ``first_row`` on."""
+    g = src.gpus
+    per_container: dict[int, tuple[PlannedDevice, ...]] = {}
+    for cp in plans:
+        devices: list[PlannedDevice] = []
+        for k in range(cp.request.count):
+            r = int(cp.rows[row, k])
+            uuid = devices_of[r - first_row].id
+            rank = int(cp.mig_rank[row, k])
+            if rank >= 0:
+                geom = src.geometries[int(g.geom[r])]
+                prof = geom.profiles[rank]
+                start = int(cp.mig_start[row, k])
+                size = next(p.size for p in prof.placements if p.start == start)
+                devices.append(
+                    PlannedDevice(
+                        uuid,
+                        prof.memory_mb,
+                        prof.core,
+                        prof.name,
+                        Placement(start, size),
+                        float(cp.gpu_score[row, k]),
+                    )
+                )
+            else:
+                devices.append(
+                    PlannedDevice(
+                        uuid,
+                        cp.request.mem_for(int(g.mem[r])),
+                        cp.request.cores,
+                        gpu_score=float(cp.gpu_score[row, k]),
+                    )
+                )
+        per_container[cp.request.index] = tuple(devices)
+    return PodPlan(
+        request.key,
+        node,
+        tuple(per_container.get(i, ()) for i in range(request.container_count)),
+    )
 
 
 class _StateLike(Protocol):
+    """What the engine reads: the state itself, or a what-if's copy of some nodes' rows."""
+
     @property
     def gpus(self) -> GpuArrays: ...
     @property
@@ -348,33 +368,128 @@ class _Masks:
 
 
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
-    n = layout.n_rows
     preference = ranking.Preference(
         request.node_policy, rules.node_score_max(state.config.node_score_cpu_memory)
     )
-    uuid_ok = (
-        _uuid_mask(state, layout, request, owned)
-        if request.use_uuids or request.nouse_uuids
-        else None
+    masks = _request_masks(
+        state,
+        layout,
+        request,
+        uuid_rows=lambda: _uuid_rows(state, layout, owned),
+        pair_scores=lambda: _pair_scores(state, layout, owned),
     )
     reasons: I64 | None = None
     evaluated: _Evaluated | None = None
     if not layout.names:  # no node registers a GPU
-        masks = _Masks(None, uuid_ok, False)
         feasible, score, reasons = np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64)
     else:
-        ok_types: B | None = None
-        if request.use_types or request.nouse_types:
-            ok_types = np.array(
-                [rules.type_allowed(t, request.use_types, request.nouse_types) for t in state.types]
-                or [True],
-                np.bool_,
-            )
-        pairs = _pair_scores(state, layout, owned) if request.gpu_policy.topology_aware else {}
-        masks = _Masks(ok_types, uuid_ok, bool(state.gpus.blocked[:n].any()), pairs)
         score = _node_scores(state, layout)
-        feasible, evaluated = _feasible(state, layout, request, masks, owned, score, preference)
+        feasible, evaluated = _feasible(
+            state, layout, request, masks, owned, score, preference, kept_usage=owned
+        )
     return Decision(request, layout, feasible, score, preference, state, masks, reasons, evaluated)
+
+
+def feasible_on(
+    src: _StateLike,
+    state: ClusterState,
+    layout: Layout,
+    request: PodRequest,
+    *,
+    uuid_rows: Callable[[], Mapping[str, Sequence[int]]],
+    reasons: bool = False,
+) -> tuple[B, I64 | None]:
+    """What ``decide`` finds feasible on every node of ``layout``, a layout of ``src``'s rows
+    other than the state's own (a what-if's copy of some nodes), and with ``reasons`` the
+    ``Reason`` bits of the nodes that do not fit, as ``Decision.reasons`` has them.
+    ``state``: the state those nodes are of (their GPU pair scores); ``uuid_rows``: the rows
+    of each GPU UUID in ``src``."""
+    masks = _request_masks(
+        src,
+        layout,
+        request,
+        uuid_rows=uuid_rows,
+        pair_scores=lambda: _pair_scores(state, layout, owned=False),
+    )
+    preference = ranking.Preference(request.node_policy, 1.0)
+    owned = layout.scratch.acquire()
+    try:
+        feasible, _ = _feasible(
+            src,
+            layout,
+            request,
+            masks,
+            owned,
+            np.zeros(len(layout.names)),
+            preference,
+            kept_usage=False,
+        )
+    finally:
+        if owned:
+            layout.scratch.release()
+    why = _reasons(src, layout, request, masks, feasible) if reasons else None
+    return feasible, why
+
+
+def plan_on(
+    src: _StateLike,
+    state: ClusterState,
+    layout: Layout,
+    request: PodRequest,
+    node: str,
+    *,
+    uuid_rows: Callable[[], Mapping[str, Sequence[int]]],
+) -> PodPlan | None:
+    """The devices ``decide`` would plan for ``request`` on ``node`` of ``layout`` (as
+    ``feasible_on``), or None where it does not fit."""
+    s = layout.seg_index[node]
+    masks = _request_masks(
+        src,
+        layout,
+        request,
+        uuid_rows=uuid_rows,
+        pair_scores=lambda: _pair_scores(state, layout, owned=False),
+    )
+    owned = layout.scratch.acquire()
+    try:
+        ok, plans = _evaluate(src, layout, request, masks, np.array([s], np.int64), owned)
+    finally:
+        if owned:
+            layout.scratch.release()
+    if not ok[0]:
+        return None
+    first = int(layout.starts[s])
+    return _plan_of(src, request, node, state.nodes[node].devices, plans, 0, first)
+
+
+def _request_masks(
+    src: _StateLike,
+    layout: Layout,
+    request: PodRequest,
+    *,
+    uuid_rows: Callable[[], Mapping[str, Sequence[int]]],
+    pair_scores: Callable[[], dict[GpuMode, F64]],
+) -> _Masks:
+    """What ``request`` excludes on the rows of ``layout`` (of ``src``) regardless of usage.
+    ``uuid_rows`` (UUID -> rows) and ``pair_scores`` are asked for only when the request
+    needs them."""
+    n = layout.n_rows
+    uuid_ok = (
+        rules.uuid_allowed(n, uuid_rows(), request.use_uuids, request.nouse_uuids)
+        if request.use_uuids or request.nouse_uuids
+        else None
+    )
+    if not layout.names:
+        return _Masks(None, uuid_ok, False)
+    ok_types: B | None = None
+    if request.use_types or request.nouse_types:
+        ok_types = np.array(
+            [rules.type_allowed(t, request.use_types, request.nouse_types) for t in src.types]
+            or [True],
+            np.bool_,
+        )
+    pairs = pair_scores() if request.gpu_policy.topology_aware else {}
+    return _Masks(ok_types, uuid_ok, bool(src.gpus.blocked[:n].any()), pairs)
 
 
 # Feasibility without planning devices. A container fits a path of a node when enough of the
@@ -391,24 +506,27 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
 
 
 def _feasible(
-    state: ClusterState,
+    state: _StateLike,
     layout: Layout,
     request: PodRequest,
     masks: _Masks,
     owned: bool,
     score: F64,
     preference: ranking.Preference,
+    *,
+    kept_usage: bool,
 ) -> tuple[B, _Evaluated | None]:
     """Every node's verdict, and the plans of the nodes evaluated in full for it: those the
     counts can't decide and, with them, the best node the counts find feasible (so the plan of
-    the best node, whichever it turns out to be, is among them)."""
+    the best node, whichever it turns out to be, is among them). ``kept_usage``: as
+    ``_paths``'s (``state`` is the state and the tables' scratch is owned)."""
     S = len(layout.names)
     if not request.containers:
         return np.ones(S, np.bool_), None
     if request.numa_bind:  # counts over a node's GPUs can't tell where one NUMA node fits
         ok, plans = _evaluate(state, layout, request, masks, None, owned)
         return ok, _Evaluated(None, plans)
-    paths = _paths(state, layout, request, masks, owned, None, kept_usage=owned)
+    paths = _paths(state, layout, request, masks, owned, None, kept_usage=kept_usage)
     sure = np.ones(S, np.bool_)
     possible = sure.copy()
     counts: dict[tuple[int, int, int], list[npt.NDArray[Any] | None]] = {}
@@ -1489,17 +1607,17 @@ def _table_pair_scores(state: ClusterState, layout: Layout, table: PathTable, ow
     return pairs
 
 
-def _uuid_mask(state: ClusterState, layout: Layout, request: PodRequest, owned: bool) -> B:
-    """Per GPU row: allowed by use-gpuuuid / nouse-gpuuuid (``rules.uuid_allowed``)."""
+def _uuid_rows(state: ClusterState, layout: Layout, owned: bool) -> dict[str, list[int]]:
+    """Every GPU UUID's rows (UUIDs may repeat across nodes), kept with the layout."""
     rows_of: dict[str, list[int]] | None = layout.scratch.memo.get("uuid_rows") if owned else None
-    if rows_of is None:  # rows are fixed until the layout changes; UUIDs may repeat across nodes
+    if rows_of is None:  # rows are fixed until the layout changes
         rows_of = {}
         for entry in state.nodes.values():
             for uuid, r in entry.rows.items():
                 rows_of.setdefault(uuid, []).append(r)
         if owned:
             layout.scratch.memo["uuid_rows"] = rows_of
-    return rules.uuid_allowed(layout.n_rows, rows_of, request.use_uuids, request.nouse_uuids)
+    return rows_of
 
 
 def _mig_devices(state: _StateLike, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
@@ -1542,4 +1660,11 @@ def _node_scores(state: ClusterState, layout: Layout) -> F64:
     )
 
 
-__all__ = ["Decision", "PlannedDevice", "PodPlan", "decide"]
+__all__ = [
+    "Decision",
+    "PlannedDevice",
+    "PodPlan",
+    "decide",
+    "feasible_on",
+    "plan_on",
+]

@@ -8,6 +8,7 @@ capacity exists but not contiguously.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -53,18 +54,42 @@ def explain(decision: Decision, state: ClusterState) -> str:
     if layout.gpu_less:
         names = sorted(layout.gpu_less)
         groups.append(("no GPUs", int(Reason.NO_GPU), len(names), names[:_MAX_NODES_LISTED]))
-    clauses: list[str] = []
-    for cls, bits, count, names in sorted(groups, key=lambda g: (-g[2], g[0], g[1])):
-        what = "; ".join(reason_names(bits)) or "does not fit"
-        clause = f"{count} node{'s' if count != 1 else ''} [{cls}]: {what}"
-        if bits & Reason.MIG_FRAGMENTATION:
-            clause += " — " + _free_intervals(state, names)
-        elif count <= _MAX_NODES_LISTED:
-            clause += f" ({', '.join(names)})"
-        clauses.append(clause)
+    clauses = [
+        _clause(state, cls, bits, count, names)
+        for cls, bits, count, names in sorted(groups, key=lambda g: (-g[2], g[0], g[1]))
+    ]
     feasible = decision.feasible_count()
     head = f"{feasible}/{total} nodes are available"
     return head + (": " + "; ".join(clauses) if clauses else "")
+
+
+def node_explanation(
+    state: ClusterState, node: str, bits: int, mig_masks: Sequence[int] | None = None
+) -> str:
+    """Why ``node`` does not take a pod (``bits``: its ``Reason``s), worded as ``explain``
+    words its clause and prefixed as ``node_reasons`` (what a rejected node's Filter status
+    says); ``mig_masks``: its GPUs' MIG occupancy in device order, when it is not the state's
+    (a what-if's)."""
+    masks = {node: mig_masks} if mig_masks is not None else None
+    return "Tessera: " + _clause(state, node_class(state, node), bits, 1, [node], masks)
+
+
+def _clause(
+    state: ClusterState,
+    cls: str,
+    bits: int,
+    count: int,
+    names: list[str],
+    mig_masks: Mapping[str, Sequence[int]] | None = None,
+) -> str:
+    """One (class, reasons) group of ``count`` nodes, ``names`` the first of them."""
+    what = "; ".join(reason_names(bits)) or "does not fit"
+    clause = f"{count} node{'s' if count != 1 else ''} [{cls}]: {what}"
+    if bits & Reason.MIG_FRAGMENTATION:
+        clause += " — " + _free_intervals(state, names, mig_masks)
+    elif count <= _MAX_NODES_LISTED:
+        clause += f" ({', '.join(names)})"
+    return clause
 
 
 def rejection_reasons(decision: Decision) -> int:
@@ -106,19 +131,24 @@ def _classes(state: ClusterState, layout: Layout) -> tuple[list[str], npt.NDArra
             layout.scratch.release()
 
 
-def _free_intervals(state: ClusterState, nodes: list[str]) -> str:
+def _free_intervals(
+    state: ClusterState, nodes: list[str], mig_masks: Mapping[str, Sequence[int]] | None = None
+) -> str:
+    """The free MIG slices of the nodes' first GPUs (``mig_masks``: their occupancy in device
+    order, where it is not the state's)."""
     parts: list[str] = []
     g = state.gpus
     for node in nodes:
         entry = state.nodes[node]
         gpus: list[str] = []
-        for d in entry.devices[:_MAX_GPUS_LISTED]:
+        masks = mig_masks.get(node) if mig_masks is not None else None
+        for i, d in enumerate(entry.devices[:_MAX_GPUS_LISTED]):
             r = entry.rows[d.id]
             gid = int(g.geom[r])
             if not g.is_mig[r] or gid < 0:
                 continue
             table = state.geometries[gid].table
-            free = table.free_intervals(int(g.mig_mask[r]))
+            free = table.free_intervals(int(g.mig_mask[r] if masks is None else masks[i]))
             text = " ".join(f"[{a},{b})" for a, b in free) or "none"
             gpus.append(f"GPU {d.index} free slices {text}")
         parts.append(f"{node}: {', '.join(gpus)}")

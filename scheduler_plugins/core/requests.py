@@ -31,6 +31,7 @@ from api.kube.objects import (
     finished,
     parse_quantity,
     pod_key,
+    pod_priority,
 )
 
 
@@ -66,6 +67,8 @@ class PodRequest:
     nouse_uuids: tuple[str, ...]
     cpu_milli: int
     memory_bytes: int
+    # ``spec.priority``: only pods of a strictly lower one may be preempted for this pod.
+    priority: int = 0
 
     @property
     def wants_gpu(self) -> bool:
@@ -238,6 +241,7 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
         nouse_uuids=_csv(annotations.get(ann.NOUSE_GPUUUID)),
         cpu_milli=cpu_milli,
         memory_bytes=memory_bytes,
+        priority=pod_priority(pod),
     )
 
 
@@ -255,6 +259,16 @@ class PodAllocation:
     # anyway; "" for a reservation not seen on the pod yet): HAMi's per-container metrics
     # report each of its devices. Not part of what the pod holds.
     devices_written: str = field(default="", compare=False)
+    # Who holds it, for preemption (which pods may make room for a pod, named by uid by
+    # kube-scheduler's dry runs). Not part of what the pod holds either: a reservation that
+    # the watch confirms with the same devices stays the same allocation.
+    uid: str = field(default="", compare=False)
+    priority: int = field(default=0, compare=False)
+
+    @property
+    def holds_gpus(self) -> bool:
+        """It holds GPU devices (what preempting it can free for Tessera's pods)."""
+        return bool(self.devices or self.mig)
 
 
 def counts_against_capacity(pod: Mapping[str, Any]) -> bool:
@@ -299,4 +313,15 @@ def parse_allocation(pod: Mapping[str, Any]) -> PodAllocation | None:
     if not shared and not mig and not cpu_milli and not memory_bytes:
         return None
     written = annotations.get(ann.DEVICES_ALLOCATED, "")
-    return PodAllocation(key, node, shared, mig, cpu_milli, memory_bytes, written)
+    uid = as_object(pod.get("metadata")).get("uid")
+    return PodAllocation(
+        key,
+        node,
+        shared,
+        mig,
+        cpu_milli,
+        memory_bytes,
+        written,
+        uid=uid if isinstance(uid, str) else "",
+        priority=pod_priority(pod),
+    )

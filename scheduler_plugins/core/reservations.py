@@ -3,9 +3,11 @@ bound (or gone): what the plugin server does for each call of the scheduling cyc
 the wire.
 
 - ``offer`` (PreFilter): decide, rank the candidates (``ranking``), keep the decision for
-  Reserve while the cluster state is unchanged, and explain when no node fits. Bind
-  annotations an unbound pod still carries from an attempt that never bound are taken back
-  first.
+  Reserve while the cluster state is unchanged, explain when no node fits, and name the nodes
+  where preempting lower-priority pods would make room (``whatif``). Bind annotations an
+  unbound pod still carries from an attempt that never bound are taken back first.
+- ``what_if`` (Filter during kube-scheduler's preemption dry run): the pod on one node without
+  the pods the dry run removed and with those it added (``whatif``).
 - ``reserve``: count the plan at once (``ClusterCache.assume``). With *hand-over*, the
   annotations go to the shim's Binding now when no pod the node agent could not tell apart
   from this one (``api.hami.matching.ambiguous``) is allocating on the node.
@@ -24,9 +26,9 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
@@ -41,8 +43,9 @@ from scheduler_plugins.core.binding import bind_annotations, bind_labels
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.explain import explain, node_reasons, rejection_reasons
-from scheduler_plugins.core.requests import PodRequest
+from scheduler_plugins.core.requests import PodAllocation, PodRequest
 from scheduler_plugins.core.rules import reason_names
+from scheduler_plugins.core.whatif import WhatIf, preemptible_nodes, what_if
 
 log = structlog.get_logger("tessera.plugin_server")
 
@@ -143,6 +146,16 @@ class Offer:
     pending: int
     wall_s: float
     cpu_s: float
+    preemptible: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Added:
+    """A pod kube-scheduler's dry run counts as placed on a node: its uid, and what it asks
+    of Tessera (None: nothing Tessera would place, e.g. an invalid GPU request)."""
+
+    uid: str
+    request: PodRequest | None
 
 
 @dataclass(frozen=True)
@@ -199,7 +212,8 @@ class Reservations:
         self._ids = itertools.count(1)
         # All guarded by the cache lock.
         self._decisions: OrderedDict[str, _Cached] = OrderedDict()
-        self._requests: OrderedDict[str, PodRequest] = OrderedDict()
+        # The last PreFilter's request of each pod, with its decision's id.
+        self._requests: OrderedDict[str, tuple[int, PodRequest]] = OrderedDict()
         self._reservations: dict[str, _Reservation] = {}
         self._reserved_as: dict[str, str] = {}  # pod key -> ident of its reservation
         # Pods whose bind failed after PreBind wrote their annotations, which could not be
@@ -246,10 +260,14 @@ class Reservations:
             # needed now; otherwise Explain answers if the cycle fails for other reasons.
             why = explain(decision, self._cache.state) if not names else ""
             pending = rejection_reasons(decision) if not names else 0
+            # With some nodes feasible too: kube-scheduler's other plugins may reject them all.
+            preemptible = preemptible_nodes(
+                self._cache.state, req, decision.feasible, self._cache.leaving()
+            )
             wall_s, cpu_s = self._clock() - started, self._cpu_clock() - cpu_started
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
-            _put(self._requests, ident, req)
+            _put(self._requests, ident, (decision_id, req))
         if not names:
             log.info("unschedulable", pod=req.key, reason=why)
         return Offer(
@@ -262,6 +280,7 @@ class Reservations:
             pending=pending,
             wall_s=wall_s,
             cpu_s=cpu_s,
+            preemptible=preemptible,
         )
 
     def explain(self, ident: str, key: str, decision_id: int) -> str:
@@ -271,6 +290,44 @@ class Reservations:
             if decision.feasible.all() and not decision.layout.gpu_less:
                 return ""
             return explain(decision, self._cache.state)
+
+    def what_if(
+        self,
+        ident: str,
+        key: str,
+        decision_id: int,
+        pod: Callable[[], PodRequest | None],
+        node: str,
+        removed_uids: Sequence[str],
+        added: Sequence[Added],
+    ) -> WhatIf:
+        """The pod on ``node`` in a preemption dry run: without the pods ``removed_uids`` and
+        with ``added`` (a removed pod added back holds what it held; a pod counted there
+        already stays as it is; any other is placed first, as it would be, and takes nothing
+        where it does not fit). The pod is PreFilter's ``decision_id`` one's, else what
+        ``pod()`` reads (asked only then; None: nothing to read), else the last one PreFilter
+        saw. Pods being preempted already count as gone whatever the dry run says: it may
+        not see them any more (kube-scheduler's cache can be ahead of this server's watch),
+        and counting them would make it preempt more pods for the room they leave."""
+        with self._spans.span("what_if"), self._cache.lock:
+            req = self._request_for(ident, key, decision_id, pod)
+            state = self._cache.state
+            leaving = self._cache.leaving()
+            pods = state.pods_on(node)
+            on_node = {a.uid: a for a in pods if a.uid}
+            gone = set(removed_uids)
+            removed = {on_node[uid].key for uid in gone if uid in on_node}
+            removed |= {a.key for a in pods if a.key in leaving}
+            placed: list[PodAllocation | PodRequest] = []
+            for a in added:
+                held = on_node.get(a.uid)
+                if held is not None:
+                    if a.uid in gone and held.key not in leaving:
+                        placed.append(held)  # added back: what it held
+                    continue
+                if a.request is not None and a.request.wants_gpu:
+                    placed.append(a.request)
+            return what_if(state, req, node, removed=removed, added=placed)
 
     def reserve(
         self, ident: str, key: str, node: str, decision_id: int, *, hand_over: bool
@@ -287,7 +344,9 @@ class Reservations:
             if plan is None:
                 raise ScheduleAgain(_no_longer_fits(decision, key, node))
             req = decision.request
-            alloc = plan.allocation(req.cpu_milli, req.memory_bytes)
+            alloc = plan.allocation(
+                req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
+            )
             self._cache.assume(alloc, _device_counts(req))
             self._on_reserved(alloc.key)
             res = self._reservations[ident] = _Reservation(plan)
@@ -448,6 +507,20 @@ class Reservations:
             self._cache.drop_unbound(key)
         log.info("took back leftover bind annotations", pod=key, node=node or None)
 
+    def _request_for(
+        self, ident: str, key: str, decision_id: int, pod: Callable[[], PodRequest | None]
+    ) -> PodRequest:
+        """The request of PreFilter's decision ``decision_id``, else ``pod()``, else the last
+        one PreFilter saw for the pod (caller holds the cache lock)."""
+        held = self._requests.get(ident)
+        req = held[1] if held is not None and held[0] == decision_id else pod()
+        if req is None and held is not None:
+            req = held[1]
+        if req is None:
+            raise NoDecision(f"no PreFilter decision for pod {key} (server restarted?)")
+        _check_same_pod(req.key, key, ident)
+        return req
+
     def _decision_for(self, ident: str, key: str, decision_id: int) -> Decision:
         """PreFilter's decision ``decision_id`` while the state is unchanged, else the same
         request decided again on the state as it is now (caller holds the cache lock)."""
@@ -455,10 +528,10 @@ class Reservations:
         if cached is not None and cached.decision_id == decision_id:
             decision = cached.decision
         else:
-            req = self._requests.get(ident)
-            if req is None:
+            held = self._requests.get(ident)
+            if held is None:
                 raise NoDecision(f"no PreFilter decision for pod {key} (server restarted?)")
-            decision = decide(self._cache.state, req)
+            decision = decide(self._cache.state, held[1])
         _check_same_pod(decision.request.key, key, ident)
         return decision
 
@@ -652,6 +725,7 @@ def _put(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 __all__ = [
     "DEFAULT_PREBIND_WAIT_S",
+    "Added",
     "Call",
     "Handed",
     "NoDecision",

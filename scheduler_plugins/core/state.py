@@ -4,16 +4,17 @@ One row per physical GPU; each node owns a contiguous block of rows. Pods change
 deltas on their rows (O(devices)); a node whose GPU list changes gets a fresh block and its
 pods are re-applied. Assumed reservations are ordinary pod records flagged ``assumed``
 until the pod's own annotations replace them. The decision code reads the arrays as they
-are; nothing is rebuilt per scheduling cycle.
+are; nothing is rebuilt per scheduling cycle. Every counted device is also kept by node and
+its pod's priority (``DeviceLedger``), for preemption's what-ifs over many nodes at once.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -145,6 +146,8 @@ class _Record:
     alloc: PodAllocation
     assumed: bool
     applied: bool = False
+    # Its devices' entries in the state's ``DeviceLedger`` while applied.
+    slots: list[int] | None = None
 
 
 def _by_index(d: GpuDevice) -> int:
@@ -208,7 +211,7 @@ class GpuArrays:
     )
 
     def grow(self, n: int) -> None:
-        for name in _GPU_COLUMNS:
+        for name in GPU_COLUMNS:
             arr = getattr(self, name)
             extra_shape = (n, *arr.shape[1:])
             fill = -1 if name in ("node", "geom") else 0
@@ -226,8 +229,230 @@ class GpuArrays:
         self.blocked[r] = self.conflict[r] > 0 or self.legacy[r] > 0 or self.cordoned[r]
 
 
-_GPU_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(GpuArrays))
+GPU_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(GpuArrays))
 _CORE, _MIG, _MPS = (MODE_CODES.index(m) for m in ("hami-core", "mig", "mps"))
+# The columns a pod's devices change (``count_devices``); the others are fixed while a node's
+# GPUs are (a what-if copies only these, and views the rest).
+USAGE_COLUMNS: Final = (
+    "used_slots",
+    "used_mem",
+    "used_cores",
+    "mig_mask",
+    "conflict",
+    "legacy",
+    "blocked",
+    "slice_use",
+)
+_SLICE_BITS = np.int64(1) << np.arange(MAX_SLICES, dtype=np.int64)
+
+
+class GpuSource(Protocol):
+    """GPU rows and what their codes mean: the state, or a what-if's copy of some of its rows."""
+
+    @property
+    def gpus(self) -> GpuArrays: ...
+    @property
+    def geometries(self) -> list[Geometry]: ...
+    @property
+    def types(self) -> list[str]: ...
+
+
+class Used(NamedTuple):
+    """What one device takes of a GPU row: one vGPU slot, ``mem`` MiB and ``cores``, the MIG
+    slices ``[start, end)`` it occupies (``start == end``: a shared device), and whether it is
+    a device HAMi <= v2.9 placed on MIG (where it sits is unknown: its GPU takes no new work
+    while it is there)."""
+
+    row: int
+    mem: float
+    cores: float
+    start: int
+    end: int
+    legacy: bool
+
+
+class DeviceUsage(NamedTuple):
+    """``Used`` of many devices as columns (rows may repeat): what a what-if takes away from,
+    or adds back to, many nodes at once."""
+
+    rows: npt.NDArray[np.int64]
+    mem: npt.NDArray[np.float64]
+    cores: npt.NDArray[np.float64]
+    start: npt.NDArray[np.int64]
+    end: npt.NDArray[np.int64]
+    legacy: npt.NDArray[np.bool_]
+
+
+def device_usage(src: GpuSource, rows: Mapping[str, int], alloc: PodAllocation) -> list[Used]:
+    """What ``alloc``'s devices take of the GPU rows of its node (``rows``: UUID -> row); a
+    device on a GPU the node no longer registers takes nothing (nothing there to count). The
+    one place a device's usage is worked out: the state counts it, what-ifs take it away or
+    add it back."""
+    out: list[Used] = []
+    for d in alloc.devices:
+        r = rows.get(d.uuid)
+        if r is not None:
+            out.append(Used(r, d.mem, d.cores, 0, 0, d.legacy is not None))
+    for m in alloc.mig:
+        r = rows.get(m.gpu_uuid)
+        if r is not None:
+            mem, cores = _mig_usage(src, r, m.profile, m.placement)
+            start = min(m.placement.start, MAX_SLICES)
+            out.append(Used(r, mem, cores, start, min(m.placement.end, MAX_SLICES), False))
+    return out
+
+
+def _mig_usage(src: GpuSource, row: int, profile: str, placement: Placement) -> tuple[int, int]:
+    gid = int(src.gpus.geom[row])
+    if gid >= 0:
+        geom = src.geometries[gid]
+        rank = geom.rank_of(profile)
+        if rank >= 0:
+            return int(geom.memory[rank]), int(geom.cores[rank])
+        slices = geom.slices
+    else:
+        slices = 8
+    # A profile the node no longer offers: count its share of the card.
+    frac = placement.size / max(slices, 1)
+    return int(src.gpus.mem[row] * frac), int(src.gpus.cores[row] * frac)
+
+
+def count_devices(g: GpuArrays, used: Iterable[Used], sign: int) -> None:
+    """Count (``sign`` +1) or uncount (-1) one pod's devices in ``g``'s columns, and what
+    follows: a GPU's MIG occupancy, inconsistent (overlapping) MIG reservations, and whether
+    the GPU is refused as a whole. Device by device: for a pod's few devices numpy's calls on
+    arrays cost more than these scalar updates (``count_usage`` is the same for many)."""
+    for u in used:
+        r = u.row
+        g.used_slots[r] += sign
+        g.used_mem[r] += sign * u.mem
+        g.used_cores[r] += sign * u.cores
+        if u.legacy:
+            g.legacy[r] += sign
+            g.refresh_blocked(r)
+        if u.end > u.start:
+            g.slice_use[r, u.start : u.end] += sign
+            use = g.slice_use[r]
+            g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), _SLICE_BITS))
+            g.conflict[r] = int(np.count_nonzero(use > 1))
+            g.refresh_blocked(r)
+
+
+def count_usage(g: GpuArrays, usage: DeviceUsage, sign: int) -> None:
+    """``count_devices`` for many devices at once, as array operations (sums per row by
+    ``bincount``: over tens of thousands of devices ``np.add.at`` costs ten times more)."""
+    rows = usage.rows
+    if not rows.size:
+        return
+    n = len(g.used_slots)
+    g.used_slots += sign * np.bincount(rows, minlength=n)
+    g.used_mem += sign * np.bincount(rows, weights=usage.mem, minlength=n)
+    g.used_cores += sign * np.bincount(rows, weights=usage.cores, minlength=n)
+    mig = usage.end > usage.start
+    legacy = usage.legacy
+    if legacy.any():
+        g.legacy += sign * np.bincount(rows[legacy], minlength=n).astype(g.legacy.dtype)
+    if mig.any():
+        # Each device's slices [start, end) as +1 at start and -1 at end, summed along them,
+        # over the rows MIG devices are on only (arrays of every row's slices are large
+        # enough that allocating them costs more than the sums).
+        mig_rows = rows[mig]
+        per_row = np.bincount(mig_rows, minlength=n)
+        t = np.flatnonzero(per_row)
+        w = MAX_SLICES + 1
+        at = (np.cumsum(per_row > 0) - 1)[mig_rows] * w
+        edges = np.bincount(at + usage.start[mig], minlength=t.size * w)
+        edges -= np.bincount(at + usage.end[mig], minlength=t.size * w)
+        spans = np.cumsum(edges.reshape(t.size, w), axis=1)[:, :MAX_SLICES]
+        g.slice_use[t] += sign * spans.astype(g.slice_use.dtype)
+    changed = mig | legacy
+    if changed.any():
+        t = np.flatnonzero(np.bincount(rows[changed], minlength=n))
+        use = g.slice_use[t]
+        g.mig_mask[t] = (use > 0).astype(np.int64) @ _SLICE_BITS
+        g.conflict[t] = np.count_nonzero(use > 1, axis=1)
+        g.blocked[t] = (g.conflict[t] > 0) | (g.legacy[t] > 0) | g.cordoned[t]
+
+
+class DeviceLedger:
+    """Every counted device as columns: its node (by index), its GPU's position on the node,
+    its usage and its pod's priority. What the pods below a priority hold on many nodes at
+    once comes from here in a few array operations (``below``), not from a loop over pods.
+    Positions, not rows: rows move when the state compacts, positions only when a node
+    registers other GPUs (its pods are then counted again)."""
+
+    _FIELDS: Final = (
+        ("node", np.int32),
+        ("col", np.int32),
+        ("mem", np.float64),
+        ("cores", np.float64),
+        ("start", np.int8),
+        ("end", np.int8),
+        ("legacy", np.bool_),
+        ("priority", np.int64),
+    )
+
+    def __init__(self) -> None:
+        self.node = np.zeros(0, np.int32)  # -1: a free entry
+        self.col = np.zeros(0, np.int32)
+        self.mem = np.zeros(0, np.float64)
+        self.cores = np.zeros(0, np.float64)
+        self.start = np.zeros(0, np.int8)
+        self.end = np.zeros(0, np.int8)
+        self.legacy = np.zeros(0, np.bool_)
+        self.priority = np.zeros(0, np.int64)
+        self._free: list[int] = []
+
+    def add(self, node_idx: int, first_row: int, used: Sequence[Used], priority: int) -> list[int]:
+        """Enter the devices ``used`` of a pod of ``priority`` on node ``node_idx`` (whose
+        first GPU is row ``first_row``); their entries."""
+        if len(self._free) < len(used):
+            self._grow(len(used))
+        slots: list[int] = []
+        for u in used:
+            i = self._free.pop()
+            slots.append(i)
+            self.node[i] = node_idx
+            self.col[i] = u.row - first_row
+            self.mem[i] = u.mem
+            self.cores[i] = u.cores
+            self.start[i] = u.start
+            self.end[i] = u.end
+            self.legacy[i] = u.legacy
+            self.priority[i] = priority
+        return slots
+
+    def drop(self, slots: list[int]) -> None:
+        self.node[slots] = -1
+        self._free.extend(slots)
+
+    def lowest_priority(self) -> int | None:
+        """The lowest priority of a pod holding a device (None: no device is held)."""
+        held = self.priority[self.node >= 0]
+        return int(held.min()) if held.size else None
+
+    def below(self, priority: int) -> npt.NDArray[np.int64]:
+        """The entries of devices held by pods of a priority below ``priority``."""
+        return np.flatnonzero((self.node >= 0) & (self.priority < priority))
+
+    def usage(self, slots: npt.NDArray[np.int64], rows: npt.NDArray[np.int64]) -> DeviceUsage:
+        """Entries ``slots`` as usage of ``rows`` (their GPUs' rows wherever they are now)."""
+        return DeviceUsage(
+            rows,
+            self.mem[slots],
+            self.cores[slots],
+            self.start[slots].astype(np.int64),
+            self.end[slots].astype(np.int64),
+            self.legacy[slots],
+        )
+
+    def _grow(self, n: int) -> None:
+        size = self.node.size
+        more = max(n, size, 256)
+        for name, dtype in self._FIELDS:
+            fill = -1 if name == "node" else 0
+            setattr(self, name, np.concatenate([getattr(self, name), np.full(more, fill, dtype)]))
+        self._free.extend(range(size + more - 1, size - 1, -1))
 
 
 class ClusterState:
@@ -247,6 +472,7 @@ class ClusterState:
         self._geom_ids: dict[tuple[str, tuple[MigProfile, ...]], int] = {}
         self._records: dict[str, _Record] = {}
         self._by_node: dict[str, set[str]] = {}
+        self.ledger = DeviceLedger()  # every counted device, by node and priority
         self.layout_version = 0  # bumped whenever rows or node indices change
         self.pair_scores_version = 0  # bumped whenever a node's GPU pair scores may change
         self._layout: Layout | None = None
@@ -430,7 +656,7 @@ class ClusterState:
         for e in order:
             n = len(e.devices)
             if e.start != pos:
-                for name in _GPU_COLUMNS:
+                for name in GPU_COLUMNS:
                     arr = getattr(g, name)
                     arr[pos : pos + n] = arr[e.start : e.start + n].copy()
                 e.rows = {uuid: pos + (r - e.start) for uuid, r in e.rows.items()}
@@ -509,6 +735,20 @@ class ClusterState:
     def allocations(self) -> Iterator[PodAllocation]:
         return (r.alloc for r in self._records.values())
 
+    def ledger_entries(self, keys: Iterable[str]) -> list[int]:
+        """The ``ledger`` entries of the devices pods ``keys`` hold (none for pods not
+        counted)."""
+        out: list[int] = []
+        for key in keys:
+            rec = self._records.get(key)
+            if rec is not None and rec.slots:
+                out.extend(rec.slots)
+        return out
+
+    def pods_on(self, node: str) -> list[PodAllocation]:
+        """What the pods counted on ``node`` hold, by pod key."""
+        return [self._records[k].alloc for k in sorted(self._by_node.get(node, ()))]
+
     def _add(self, key: str, alloc: PodAllocation, *, assumed: bool) -> None:
         rec = _Record(alloc, assumed)
         self._records[key] = rec
@@ -546,61 +786,25 @@ class ClusterState:
 
     def _apply(self, entry: NodeEntry, rec: _Record, sign: int) -> None:
         self._changing()
-        g = self.gpus
         alloc = rec.alloc
         idx = entry.idx
         self.node_cpu_req[idx] += sign * alloc.cpu_milli
         self.node_mem_req[idx] += sign * alloc.memory_bytes
-        slots = mem_sum = cores_sum = 0
-        for d in alloc.devices:
-            r = entry.rows.get(d.uuid)
-            if r is None:
-                continue  # a GPU the node no longer registers: nothing there to count
-            g.used_slots[r] += sign
-            g.used_mem[r] += sign * d.mem
-            g.used_cores[r] += sign * d.cores
-            if d.legacy is not None:  # a HAMi <= v2.9 MIG device: where it sits is unknown
-                g.legacy[r] += sign
-                g.refresh_blocked(r)
-            slots, mem_sum, cores_sum = slots + 1, mem_sum + d.mem, cores_sum + d.cores
-            self._usage_log.append(r)
-        for m in alloc.mig:
-            r = entry.rows.get(m.gpu_uuid)
-            if r is None:
-                continue
-            mem, cores = self._mig_usage(r, m.profile, m.placement)
-            g.used_slots[r] += sign
-            g.used_mem[r] += sign * mem
-            g.used_cores[r] += sign * cores
-            slots, mem_sum, cores_sum = slots + 1, mem_sum + mem, cores_sum + cores
-            end = min(m.placement.end, MAX_SLICES)
-            g.slice_use[r, m.placement.start : end] += sign
-            use = g.slice_use[r]
-            g.mig_mask[r] = int(np.dot((use > 0).astype(np.int64), 1 << np.arange(MAX_SLICES)))
-            g.conflict[r] = int(np.count_nonzero(use > 1))
-            g.refresh_blocked(r)
-            self._usage_log.append(r)
+        used = device_usage(self, entry.rows, alloc)
+        count_devices(self.gpus, used, sign)
+        if sign > 0:
+            rec.slots = self.ledger.add(idx, entry.start, used, alloc.priority)
+        elif rec.slots is not None:
+            self.ledger.drop(rec.slots)
+            rec.slots = None
+        self._usage_log.extend(u.row for u in used)
         if len(self._usage_log) > _USAGE_LOG_MAX:  # copies that old refresh in full
             self._usage_log_start += len(self._usage_log)
             self._usage_log.clear()
-        self.node_used_slots[idx] += sign * slots
-        self.node_used_mem[idx] += sign * mem_sum
-        self.node_used_cores[idx] += sign * cores_sum
+        self.node_used_slots[idx] += sign * len(used)
+        self.node_used_mem[idx] += sign * sum(u.mem for u in used)
+        self.node_used_cores[idx] += sign * sum(u.cores for u in used)
         rec.applied = sign > 0
-
-    def _mig_usage(self, row: int, profile: str, placement: Placement) -> tuple[int, int]:
-        gid = int(self.gpus.geom[row])
-        if gid >= 0:
-            geom = self.geometries[gid]
-            rank = geom.rank_of(profile)
-            if rank >= 0:
-                return int(geom.memory[rank]), int(geom.cores[rank])
-            slices = geom.slices
-        else:
-            slices = 8
-        # A profile the node no longer offers: count its share of the card.
-        frac = placement.size / max(slices, 1)
-        return int(self.gpus.mem[row] * frac), int(self.gpus.cores[row] * frac)
 
     # ----- views -------------------------------------------------------------------------
 
@@ -685,7 +889,7 @@ class PathTable:
 
     @staticmethod
     def of(
-        state: ClusterState,
+        state: GpuSource,
         n_rows: int,
         gpu_rows_t: npt.NDArray[np.int64],
         in_seg: npt.NDArray[np.bool_],
@@ -799,11 +1003,40 @@ class Layout:
     @staticmethod
     def of(state: ClusterState) -> Layout:
         entries = sorted((e for e in state.nodes.values() if e.devices), key=lambda e: e.start)
-        n_rows = state._used_rows
-        g = state.gpus
+        return Layout.build(
+            state.layout_version,
+            state,
+            state._used_rows,
+            names=tuple(e.name for e in entries),
+            node_idx=np.array([e.idx for e in entries], np.int64),
+            starts=np.array([e.start for e in entries], np.int64),
+            counts=np.array([len(e.devices) for e in entries], np.int64),
+            gpu_less=tuple(sorted(e.name for e in state.nodes.values() if not e.devices)),
+        )
+
+    @staticmethod
+    def build(
+        version: int,
+        src: GpuSource,
+        n_rows: int,
+        *,
+        names: tuple[str, ...],
+        node_idx: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        counts: npt.NDArray[np.int64],
+        gpu_less: tuple[str, ...],
+    ) -> Layout:
+        """The layout of the first ``n_rows`` rows of ``src``: nodes ``names`` (in row order;
+        ``node_idx``: the state's index of each), whose GPUs are ``counts`` consecutive rows
+        from ``starts``. The state's whole layout, or a what-if's few nodes."""
+        g = src.gpus
+        S = len(names)
         seg_of_row = np.full(n_rows, -1, np.int64)
-        for i, e in enumerate(entries):
-            seg_of_row[e.start : e.start + len(e.devices)] = i
+        width = int(counts.max()) if S else 0
+        j = np.arange(width, dtype=np.int64)[:, None]
+        ok = j < counts[None, :]
+        gpu_rows = np.where(ok, starts[None, :] + j, 0)
+        seg_of_row[gpu_rows[ok]] = np.broadcast_to(np.arange(S, dtype=np.int64), ok.shape)[ok]
         live = g.node[:n_rows] >= 0
         geom = g.geom[:n_rows]
         mode = g.mode[:n_rows]
@@ -812,30 +1045,24 @@ class Layout:
             (int(gid), np.flatnonzero(mig_live & (geom == gid)))
             for gid in np.unique(geom[mig_live])
         )
-        counts = np.array([len(e.devices) for e in entries], np.int64)
-        width = int(counts.max()) if len(entries) else 0
-        j = np.arange(width, dtype=np.int64)[:, None]
-        ok = j < counts[None, :]
-        gpu_rows = np.where(ok, np.array([e.start for e in entries], np.int64)[None, :] + j, 0)
         rows_t = np.ascontiguousarray(gpu_rows.T)
         ok_t = np.ascontiguousarray(ok.T)
         healthy = live & g.healthy[:n_rows]
-        core = PathTable.of(state, n_rows, rows_t, ok_t, healthy & (mode == _CORE), geoms=False)
-        mig = PathTable.of(state, n_rows, rows_t, ok_t, healthy & mig_live, geoms=True)
-        mps = PathTable.of(state, n_rows, rows_t, ok_t, healthy & (mode == _MPS), geoms=False)
-        names = tuple(e.name for e in entries)
-        name_rank = np.empty(len(names), np.int64)
-        name_rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+        core = PathTable.of(src, n_rows, rows_t, ok_t, healthy & (mode == _CORE), geoms=False)
+        mig = PathTable.of(src, n_rows, rows_t, ok_t, healthy & mig_live, geoms=True)
+        mps = PathTable.of(src, n_rows, rows_t, ok_t, healthy & (mode == _MPS), geoms=False)
+        name_rank = np.empty(S, np.int64)
+        name_rank[sorted(range(S), key=names.__getitem__)] = np.arange(S)
         return Layout(
-            version=state.layout_version,
+            version=version,
             n_rows=n_rows,
-            starts=np.array([e.start for e in entries], np.int64),
-            node_idx=np.array([e.idx for e in entries], np.int64),
+            starts=starts,
+            node_idx=node_idx,
             names=names,
             seg_of_row=seg_of_row,
-            gpu_less=tuple(sorted(e.name for e in state.nodes.values() if not e.devices)),
+            gpu_less=gpu_less,
             geom_rows=geom_rows,
-            seg_index={e.name: i for i, e in enumerate(entries)},
+            seg_index={name: i for i, name in enumerate(names)},
             gpu_rows=gpu_rows,
             gpu_rows_ok=None if ok.all() else ok,
             gpu_count=counts,

@@ -33,7 +33,7 @@ from api.sockets import (
 )
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.reservations import DEFAULT_PREBIND_WAIT_S
-from scheduler_plugins.server.events import EventRecorder, PodEventTarget
+from scheduler_plugins.server.events import EventRecorder, PodEventTarget, PreemptionReporter
 from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
 from scheduler_plugins.server.servicer import SchedulerServicer
 from scheduler_plugins.server.tracing import Tracing
@@ -138,6 +138,7 @@ class PluginServer:
         self.cache.on_legacy_mig(
             lambda pod, alloc: self.events.legacy_mig(PodEventTarget.of(pod), alloc)
         )
+        self.preemptions = PreemptionReporter(self.cache, self.events, metrics)
         self.servicer = SchedulerServicer(
             self.cache,
             kube,
@@ -199,6 +200,7 @@ class PluginServer:
                 raise
             self.metrics_address = self._metrics_server.address
         self.events.start()
+        self.preemptions.start()
         self.watches.start()
         server.start()
         log.info("plugin server listening", address=self.address)
@@ -217,6 +219,7 @@ class PluginServer:
         if self._metrics_server is not None:
             self._metrics_server.stop()
         self.watches.stop()
+        self.preemptions.stop()
         self.events.stop()
         if self.socket_path is not None and is_socket(self.socket_path):
             self.socket_path.unlink()

@@ -19,7 +19,8 @@ label, sorted label order and Go's number format (``1``, ``4.294967296e+10``) â€
 Go client writes â€” so dashboards built on HAMi's scheduler read Tessera's unchanged.
 Tessera's own families are named ``tessera_scheduler_*`` and ``tessera_gpu_*``; those per GPU
 use the label names of HAMi's per-GPU families, so they join with them on
-``device_uuid``/``node``.
+``device_uuid``/``node``. Preemptions for GPU pods are ``tessera_preemptions_total{reason}``
+(once per need the victims were blocking) and ``tessera_preemption_victims_total``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from api.errors import InvalidInputError
 from api.hami.devices import decode_devices
 from api.hami.register import GpuDevice
 from api.plugin.v1 import plugin_pb2 as pb
+from scheduler_plugins.core.preemptions import NEED_LABELS
 from scheduler_plugins.core.requests import PodAllocation
 from scheduler_plugins.core.rules import Reason
 from scheduler_plugins.core.state import ClusterState
@@ -88,11 +90,14 @@ GPU_UNAVAILABLE: Final = "tessera_gpu_unavailable"
 # Why a whole GPU takes no new work (each a ``reason`` label value of GPU_UNAVAILABLE).
 UNAVAILABLE_REASONS: Final = ("legacy_mig", "cordoned", "mig_conflict", "unhealthy")
 GPU_INFO: Final = "tessera_gpu_info"
+# Counters of kube-scheduler's preemptions for GPU pods (exposed with the ``_total`` suffix).
+PREEMPTIONS: Final = "tessera_preemptions"
+PREEMPTION_VICTIMS: Final = "tessera_preemption_victims"
 
 DECISION_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # PreBind may wait (bounded by --prebind-wait) for an ambiguous pod on the node.
 RPC_BUCKETS: Final = (*DECISION_BUCKETS, 2.5, 5.0, 10.0, 30.0, 60.0)
-RPC_METHODS: Final = ("PreFilter", "Reserve", "Unreserve", "PreBind", "Explain")
+RPC_METHODS: Final = ("PreFilter", "Reserve", "Unreserve", "PreBind", "Explain", "FilterWhatIf")
 
 
 class MetricsAddressError(InvalidInputError):
@@ -896,11 +901,25 @@ class SchedulingMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            PREEMPTIONS,
+            "Preemptions kube-scheduler made for GPU pods (seen by the watch), once per need of "
+            "the preemptor its victims were blocking (other: none Tessera counts)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.preemption_victims = Counter(
+            PREEMPTION_VICTIMS,
+            "Pods holding GPUs that kube-scheduler preempted for GPU pods (seen by the watch)",
+            registry=self.registry,
+        )
         # Known label values start at 0, so rates and absent-alerts work from the first scrape.
         for outcome in Outcome:
             self.decisions.labels(outcome.value)
         for reason in Reason:
             self.pending_reasons.labels(reason_label(reason))
+        for need in NEED_LABELS:
+            self.preemptions.labels(need)
         for method in RPC_METHODS:
             self.rpc_seconds.labels(method, "OK")
 
@@ -918,6 +937,13 @@ class SchedulingMetrics:
         for reason in Reason:
             if pending & reason:
                 self.pending_reasons.labels(reason_label(reason)).inc()
+
+    def count_preemption(self, needs: Sequence[str], victims: int) -> None:
+        """One preemption for a GPU pod: its ``needs`` (``Preemption.needs``) and how many
+        pods holding GPUs it preempted."""
+        for need in needs:
+            self.preemptions.labels(need).inc()
+        self.preemption_victims.inc(victims)
 
     def reserved(self, key: str) -> None:
         """Reserve counted pod ``key``'s allocation (the caller holds the state's lock)."""

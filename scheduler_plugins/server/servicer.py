@@ -3,8 +3,9 @@
 
 Every handler checks the protocol version and (but Unreserve: after a restart nothing is
 reserved) that the state has been rebuilt from the API; pod refs and pod JSON are validated
-here, so the core only sees well-formed pods. The servicer records metrics and Unschedulable
-events; the lifecycle decides, reserves and binds.
+here, so the core only sees well-formed pods. FilterWhatIf answers kube-scheduler's
+preemption dry runs (Filter while pods count as removed or added) on one node. The servicer
+records metrics and Unschedulable events; the lifecycle decides, reserves and binds.
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Final, NoReturn, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 import grpc
 import structlog
 
 from api.errors import InvalidInputError, short_repr
+from api.kube.objects import pod_key
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
-from scheduler_plugins.core.requests import parse_request
+from scheduler_plugins.core.requests import PodRequest, parse_request
 from scheduler_plugins.core.reservations import (
     DEFAULT_PREBIND_WAIT_S,
+    Added,
     NoDecision,
     PodWriter,
     Reservations,
@@ -35,6 +38,7 @@ from scheduler_plugins.core.reservations import (
     WriteFailed,
     WrongPod,
 )
+from scheduler_plugins.core.whatif import UnknownNode
 from scheduler_plugins.server.events import EventRecorder, PodEventTarget
 from scheduler_plugins.server.metrics import SchedulingMetrics
 from scheduler_plugins.server.tracing import Tracing, record_abort, record_response
@@ -59,6 +63,10 @@ _CODES: Final[tuple[tuple[type[Exception], grpc.StatusCode], ...]] = (
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+
+class _InvalidPod(Exception):
+    """A pod in a request is not one Tessera can read; the message says why."""
 
 
 class _Abort(Exception):
@@ -158,6 +166,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.ExplainResponse:
         return _handle(self._explain, request, context, "Explain", self._tracing, self._metrics)
 
+    def FilterWhatIf(
+        self, request: pb.FilterWhatIfRequest, context: grpc.ServicerContext
+    ) -> pb.FilterWhatIfResponse:
+        return _handle(
+            self._filter_what_if, request, context, "FilterWhatIf", self._tracing, self._metrics
+        )
+
     # ----- handlers ----------------------------------------------------------------------
 
     def _prefilter(
@@ -165,34 +180,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.PreFilterResponse:
         self._check_version(request.version)
         self._check_ready()
-        invalid = pb.PreFilterResponse.INVALID
         try:
-            pod = json.loads(request.pod_json)
-        except ValueError as e:  # also invalid UTF-8
-            return pb.PreFilterResponse(code=invalid, message=f"pod_json is not JSON: {e}")
-        except RecursionError:
-            return pb.PreFilterResponse(code=invalid, message="pod_json is nested too deeply")
-        if not isinstance(pod, dict):
-            return pb.PreFilterResponse(code=invalid, message="pod_json is not a JSON object")
-        meta = pod.setdefault("metadata", {})
-        if not isinstance(meta, dict):
-            return pb.PreFilterResponse(code=invalid, message="pod metadata is not an object")
-        for field, value in (
-            ("namespace", request.pod.namespace),
-            ("name", request.pod.name),
-            ("uid", request.pod.uid),
-        ):
-            if value and not meta.get(field):
-                meta[field] = value
-        bad_name = _bad_pod_name(meta.get("namespace") or "default", meta.get("name"))
-        if bad_name:
-            return pb.PreFilterResponse(code=invalid, message=f"pod_json: {bad_name}")
-        try:
-            req = parse_request(pod, self._cache.state.config)
-        except InvalidInputError as e:
-            return pb.PreFilterResponse(code=invalid, message=str(e))
+            pod, req = self._read_pod(request.pod_json, request.pod)
+        except _InvalidPod as e:
+            return pb.PreFilterResponse(code=pb.PreFilterResponse.INVALID, message=str(e))
         if not req.wants_gpu:
             return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
+        meta = pod["metadata"]
         offer = _call(self._lifecycle.offer, req, meta, pod.get("spec"), request.candidate_nodes)
         self._metrics.observe_decision(offer.wall_s, offer.pending, cpu_seconds=offer.cpu_s)
         if not offer.nodes:
@@ -204,6 +198,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 message=offer.why,
                 infeasible_message=offer.per_node,
                 decision_id=offer.decision_id,
+                preemptible_nodes=offer.preemptible,
             )
         return pb.PreFilterResponse(
             code=pb.PreFilterResponse.OK,
@@ -212,7 +207,92 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             infeasible_message=offer.per_node,
             decision_id=offer.decision_id,
             feasible_total=offer.feasible_total,
+            preemptible_nodes=offer.preemptible,
         )
+
+    def _filter_what_if(
+        self, request: pb.FilterWhatIfRequest, context: grpc.ServicerContext
+    ) -> pb.FilterWhatIfResponse:
+        self._check_version(request.version)
+        self._check_ready()
+        ident, key = _ident(request.pod)
+        if not request.node:
+            _abort(grpc.StatusCode.INVALID_ARGUMENT, "node is empty")
+
+        def pod() -> PodRequest | None:
+            # Read only when the decision is no longer held (the shim always sends it: most
+            # dry runs need not parse it).
+            return self._read_pod(request.pod_json, request.pod)[1] if request.pod_json else None
+
+        try:
+            added = [
+                self._added(raw, f"added_pods_json[{i}]")
+                for i, raw in enumerate(request.added_pods_json)
+            ]
+            verdict = self._lifecycle.what_if(
+                ident,
+                key,
+                request.decision_id,
+                pod,
+                request.node,
+                list(request.removed_pod_uids),
+                added,
+            )
+        except _InvalidPod as e:
+            _abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoDecision as e:
+            _abort(grpc.StatusCode.NOT_FOUND, f"{e}; send pod_json")
+        except UnknownNode as e:
+            _abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except Exception as e:
+            _translate(e)
+        return pb.FilterWhatIfResponse(fits=verdict.fits, message=verdict.message)
+
+    def _read_pod(self, pod_json: bytes, ref: pb.PodRef) -> tuple[dict[str, Any], PodRequest]:
+        """The pod a request carries as JSON, its metadata completed from ``ref``, and what
+        it asks; ``_InvalidPod`` says what is wrong with it."""
+        try:
+            pod = json.loads(pod_json)
+        except ValueError as e:  # also invalid UTF-8
+            raise _InvalidPod(f"pod_json is not JSON: {e}") from None
+        except RecursionError:
+            raise _InvalidPod("pod_json is nested too deeply") from None
+        if not isinstance(pod, dict):
+            raise _InvalidPod("pod_json is not a JSON object")
+        meta = pod.setdefault("metadata", {})
+        if not isinstance(meta, dict):
+            raise _InvalidPod("pod metadata is not an object")
+        for field, value in (("namespace", ref.namespace), ("name", ref.name), ("uid", ref.uid)):
+            if value and not meta.get(field):
+                meta[field] = value
+        bad_name = _bad_pod_name(meta.get("namespace") or "default", meta.get("name"))
+        if bad_name:
+            raise _InvalidPod(f"pod_json: {bad_name}")
+        try:
+            return pod, parse_request(pod, self._cache.state.config)
+        except InvalidInputError as e:
+            raise _InvalidPod(str(e)) from None
+
+    def _added(self, raw: bytes, what: str) -> Added:
+        """A pod a dry run counts as placed on the node: its uid, and what it asks of Tessera
+        (None when its GPU request is invalid: Tessera would never place it)."""
+        try:
+            pod = json.loads(raw)
+        except ValueError as e:
+            raise _InvalidPod(f"{what} is not JSON: {e}") from None
+        except RecursionError:
+            raise _InvalidPod(f"{what} is nested too deeply") from None
+        if not isinstance(pod, dict) or not isinstance(pod.get("metadata", {}), dict):
+            raise _InvalidPod(f"{what} is not a Pod object")
+        uid = pod.get("metadata", {}).get("uid")
+        try:
+            request: PodRequest | None = parse_request(pod, self._cache.state.config)
+        except InvalidInputError as e:
+            log.info(
+                "added pod takes nothing: its request is invalid", pod=pod_key(pod), error=str(e)
+            )
+            request = None
+        return Added(uid if isinstance(uid, str) else "", request)
 
     def _explain(
         self, request: pb.ExplainRequest, context: grpc.ServicerContext

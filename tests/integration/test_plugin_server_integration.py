@@ -297,3 +297,106 @@ def test_broken_watch_and_410_gone_relist_and_converge(
         eventually(lambda: server.cache.state.allocation("default/ps-z") is not None)
     finally:
         server.stop()
+
+
+PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
+
+
+@pytest.fixture
+def high_priority(api: KubeClient) -> Iterator[str]:
+    """A PriorityClass of value 1000 (admission sets the pods' spec.priority from it)."""
+    api.post(
+        PRIORITY_CLASSES,
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": "ps-high"},
+            "value": 1000,
+        },
+    )
+    try:
+        yield "ps-high"
+    finally:
+        force_delete(api, f"{PRIORITY_CLASSES}/ps-high")
+
+
+def test_preemption_what_ifs_and_the_preemptors_event_from_the_watch(
+    api: KubeClient, gpu_nodes: tuple[str, ...], short_dir: Path, high_priority: str
+) -> None:
+    """What kube-scheduler's preemption sees (preemptible nodes, a dry run on one node) and
+    what it does (the victim marked and deleted, the preemptor nominated), against the API:
+    the victim counts until it is gone, and the preemptor gets one Normal Event naming it."""
+    low = api.post(
+        PODS,
+        bound("ps-low", CORE_NODE, "GPU-c0,NVIDIA,6000,10:GPU-c1,NVIDIA,6000,10:;"),
+    )
+    urgent = pod_obj("ps-urgent", mem=4000, annotations={ann.VGPU_MODE: "hami-core"})
+    urgent["spec"]["priorityClassName"] = high_priority
+    urgent = api.post(PODS, urgent)
+    assert urgent["spec"]["priority"] == 1000
+    ref = pb.PodRef(namespace="default", name="ps-urgent", uid=urgent["metadata"]["uid"])
+    server = serve(api, short_dir / "pre.sock")
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.SchedulerStub(ch)  # type: ignore[no-untyped-call]
+            r = stub.PreFilter(
+                pb.PreFilterRequest(version=V1, pod=ref, pod_json=json.dumps(urgent).encode()),
+                timeout=10,
+            )
+            assert CORE_NODE not in r.feasible_nodes and CORE_NODE in r.preemptible_nodes
+            assert MIG_NODE not in r.preemptible_nodes
+
+            def dry_run(*removed: str) -> pb.FilterWhatIfResponse:
+                return stub.FilterWhatIf(  # type: ignore[no-any-return]
+                    pb.FilterWhatIfRequest(
+                        version=V1,
+                        pod=ref,
+                        decision_id=r.decision_id,
+                        node=CORE_NODE,
+                        removed_pod_uids=list(removed),
+                    ),
+                    timeout=10,
+                )
+
+            assert not dry_run().fits
+            assert dry_run(low["metadata"]["uid"]).fits
+        held = snapshot_of(server, gpu_nodes)
+        # kube-scheduler preempts: marks the victim, deletes it, nominates the preemptor.
+        api.merge_patch(
+            f"{PODS}/ps-low/status",
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "DisruptionTarget",
+                            "status": "True",
+                            "reason": "PreemptionByScheduler",
+                            "message": "preempting to accommodate a higher priority pod",
+                        }
+                    ]
+                }
+            },
+        )
+        eventually(lambda: server.cache.state.allocation("default/ps-low") is not None)
+        assert snapshot_of(server, gpu_nodes) == held  # marked, it still counts
+        force_delete(api, f"{PODS}/ps-low")
+        api.merge_patch(f"{PODS}/ps-urgent/status", {"status": {"nominatedNodeName": CORE_NODE}})
+        eventually(lambda: server.cache.state.allocation("default/ps-low") is None)
+
+        def reported() -> list[dict[str, Any]]:
+            events = api.list("/api/v1/namespaces/default/events")["items"]
+            return [e for e in events if e.get("reason") == "TesseraPreemption"]
+
+        [event] = eventually(reported, what="the preemptor's TesseraPreemption event")
+        assert event["type"] == "Normal"
+        assert event["involvedObject"]["uid"] == urgent["metadata"]["uid"]
+        assert "default/ps-low (priority 0, held GPU GPU-c0 6000MiB 10% cores" in event["message"]
+        assert f"on node {CORE_NODE}" in event["message"]
+        assert "did not fit there with them: insufficient GPU memory." in event["message"]
+        victims = server.metrics_registry.get_sample_value("tessera_preemption_victims_total")
+        assert victims == 1
+    finally:
+        server.stop()
+        for e in api.list("/api/v1/namespaces/default/events")["items"]:
+            if e.get("reason") == "TesseraPreemption":
+                force_delete(api, f"/api/v1/namespaces/default/events/{e['metadata']['name']}")

@@ -1,7 +1,8 @@
 """Hostile plugin-protocol messages (``api/plugin/v1``) reaching the plugin server.
 
 - Direct: the real ``SchedulerServicer`` called with random fields (versions, pod refs,
-  pod JSON, nodes, decision ids), in random call sequences, and with random bytes decoded as
+  pod JSON, nodes, decision ids, FilterWhatIf's removed and added pods), in random call
+  sequences, and with random bytes decoded as
   request messages. Every call answers or aborts with a status other than INTERNAL/UNKNOWN
   and a message; nothing is left reserved once every fuzzed pod is unreserved, and the
   running pods' records never change.
@@ -45,13 +46,14 @@ from tests.fuzzing import (
 )
 
 V1 = pb.PROTOCOL_VERSION_1
-METHODS = ("PreFilter", "Reserve", "Unreserve", "PreBind", "Explain")
+METHODS = ("PreFilter", "Reserve", "Unreserve", "PreBind", "Explain", "FilterWhatIf")
 REQUEST_TYPES: dict[str, type[Message]] = {
     "PreFilter": pb.PreFilterRequest,
     "Reserve": pb.ReserveRequest,
     "Unreserve": pb.UnreserveRequest,
     "PreBind": pb.PreBindRequest,
     "Explain": pb.ExplainRequest,
+    "FilterWhatIf": pb.FilterWhatIfRequest,
 }
 FUZZ_PODS = ("fz-1", "fz-2", "fz-3")
 # Codes the shim acts on; INTERNAL and UNKNOWN would mean a handler crashed.
@@ -173,6 +175,16 @@ def calls(draw: st.DrawFn) -> tuple[str, Message]:
         )
     if method == "Explain":
         return method, pb.ExplainRequest(version=version, pod=ref, decision_id=draw(decision_ids))
+    if method == "FilterWhatIf":
+        return method, pb.FilterWhatIfRequest(
+            version=version,
+            pod=ref,
+            decision_id=draw(decision_ids),
+            pod_json=draw(st.just(b"") | pod_json(ref.name)),
+            node=draw(node_names),
+            removed_pod_uids=draw(st.lists(st.sampled_from(["", "uid-1"]) | names, max_size=3)),
+            added_pods_json=draw(st.lists(pod_json(ref.name), max_size=2)),
+        )
     request_type = pb.UnreserveRequest if method == "Unreserve" else pb.PreBindRequest
     return method, request_type(version=version, pod=ref, node=draw(node_names))
 
@@ -202,6 +214,11 @@ def cycles(draw: st.DrawFn) -> list[tuple[str, Message]]:
     if draw(st.booleans()):  # the cycle failed elsewhere: PostFilter asks why
         out.insert(1, ("Explain", pb.ExplainRequest(
             version=V1, pod=ref, decision_id=draw(st.integers(0, 4))
+        )))  # fmt: skip
+    if draw(st.booleans()):  # ... and preemption's dry run asks about a node
+        out.insert(1, ("FilterWhatIf", pb.FilterWhatIfRequest(
+            version=V1, pod=ref, decision_id=draw(st.integers(0, 4)), node=node,
+            removed_pod_uids=draw(st.lists(st.sampled_from(["uid-1", "uid-2", ""]), max_size=2)),
         )))  # fmt: skip
     if draw(st.booleans()):
         out.append(("Unreserve", pb.UnreserveRequest(version=V1, pod=ref, node=node)))

@@ -279,3 +279,60 @@ def test_a_what_if_with_an_mps_node(tmp_path: Path, capsys: pytest.CaptureFixtur
     code, lines, _ = _run(capsys, *args)
     assert code == 0
     assert f"{mps_uuids[1][:12]}:20000MiB/30%" in lines[1]
+
+
+def _placed(name: str, node: str, uuid: str, mem: int, priority: int, started: str) -> str:
+    pod = yaml.safe_load(_pod_yaml(name, "hami-core", mem, 0))
+    pod["spec"]["nodeName"] = node
+    pod["spec"]["priority"] = priority
+    pod["status"] = {"phase": "Running", "startTime": started}
+    pod["metadata"]["annotations"].update(
+        {
+            "hami.io/vgpu-node": node,
+            "hami.io/bind-phase": "success",
+            "hami.io/vgpu-devices-allocated": f"{uuid},NVIDIA,{mem},0:;",
+        }
+    )
+    return yaml.safe_dump(pod)
+
+
+def test_a_pod_that_fits_nowhere_is_shown_whom_preemption_would_preempt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kube-scheduler's choice: on each node it reprieves the more important pods first (the
+    older of two of a priority), then takes the node whose victims' highest priority is
+    lowest. The victims stay (they are only shown)."""
+    model = "A100-PCIE-40GB"  # 40960 MiB
+    x, y = simulated_gpu_uuid("x", 0), simulated_gpu_uuid("y", 0)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        "---\n".join(
+            [
+                _node_yaml("x", simulated_register_json("x", model, 1, "hami-core")),
+                _node_yaml("y", simulated_register_json("y", model, 1, "hami-core")),
+                _placed("x-old", "x", x, 20000, 0, "2024-01-01T00:00:00Z"),
+                _placed("x-new", "x", x, 20000, 0, "2024-06-01T00:00:00Z"),
+                _placed("y-only", "y", y, 30000, 1, "2024-01-01T00:00:00Z"),
+            ]
+        )
+    )
+    urgent = yaml.safe_load(_pod_yaml("urgent", "hami-core", 15000, 0))
+    urgent["spec"]["priority"] = 100
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(
+        "---\n".join([yaml.safe_dump(urgent), _pod_yaml("ordinary", "hami-core", 15000, 0)])
+    )
+    args = ("simulate", "--cluster", str(cluster), "--pods", str(pods))
+    code, lines, _ = _run(capsys, *args, "--output", "json")
+    assert code == 0
+    first, second = (json.loads(line) for line in lines)
+    assert first["status"] == "Unschedulable" and first["node"] is None
+    assert first["preempt"] == {"node": "x", "victims": ["default/x-new"]}
+    assert "would preempt default/x-new on node x" in first["reason"]
+    assert "PodDisruptionBudgets not modelled" in first["reason"]
+    # Priority 0 outranks nobody; the victims are still there.
+    assert second["status"] == "Unschedulable" and second["preempt"] is None
+    assert "would preempt" not in second["reason"]
+    code, lines, _ = _run(capsys, *args)
+    assert code == 0
+    assert "would preempt default/x-new on node x" in lines[1]

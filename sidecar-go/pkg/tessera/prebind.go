@@ -66,6 +66,9 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 		case <-callCtx.Done():
 			traced.end(callOutcome(err), err)
 			traced.finish(OutcomeError)
+			if st := cancelledByScheduler(ctx); st != nil {
+				return st
+			}
 			return fwk.AsStatus(fmt.Errorf("tessera: node %s still allocating an earlier pod after %s: %w",
 				nodeName, p.args.BindTimeout.Duration, err))
 		case <-time.After(delay/2 + rand.N(delay/2+1)):
@@ -76,6 +79,9 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	if err != nil {
 		// Unreserve follows and adds its span to the ended attempt.
 		traced.finish(OutcomeError)
+		if st := cancelledByScheduler(ctx); st != nil {
+			return st
+		}
 		return rpcFailure("PreBind", p.args.BindTimeout.Duration, err)
 	}
 	if handOver {
@@ -90,4 +96,16 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	klog.FromContext(ctx).V(4).Info("PreBind got annotations", "plugin", Name, "pod", klog.KObj(pod),
 		"node", nodeName, "annotations", len(resp.GetAnnotations()), "handOver", handOver)
 	return nil
+}
+
+// cancelledByScheduler: kube-scheduler cancelled the binding cycle itself (its context, not
+// the call's timeout) — it preempts a pod still waiting in PreBind this way. That is no server
+// failure: the pod goes back to the queue with a status that says what happened (Unschedulable,
+// so its PodScheduled condition explains it instead of reading as a scheduler error).
+func cancelledByScheduler(ctx context.Context) *fwk.Status {
+	if ctx.Err() == nil {
+		return nil
+	}
+	return fwk.NewStatus(fwk.Unschedulable,
+		"Tessera: kube-scheduler cancelled this pod's binding while it waited (preempted by a higher-priority pod); it is scheduled again")
 }

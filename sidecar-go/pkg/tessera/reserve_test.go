@@ -132,3 +132,16 @@ func TestPreBindGivesUpAskingAtItsDeadline(t *testing.T) {
 		t.Errorf("PreBind calls = %d, want a few (paced, not a busy loop)", n)
 	}
 }
+
+func TestPreBindCancelledByTheSchedulerIsUnschedulableNotAnError(t *testing.T) {
+	fake, p := startFake(t, &Args{BindTimeout: metav1.Duration{Duration: 5 * time.Second}})
+	pod := makePod("p").gpu("1").obj()
+	state := decided(t, fake, p)
+	fake.set(func(s *fakeServer) { s.bindWaits = 1 << 20 }) // waits until cancelled
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(300*time.Millisecond, cancel) // kube-scheduler preempts the waiting pod
+	st := p.PreBind(ctx, state, pod, "n1")
+	if st.Code() != fwk.Unschedulable || !strings.Contains(st.Message(), "preempted") {
+		t.Errorf("PreBind = %v %q, want Unschedulable saying the binding was cancelled", st.Code(), st.Message())
+	}
+}
