@@ -151,6 +151,10 @@ def test_a_mig_3g_pod_preempts_the_1g_pods_blocking_its_placement(empty: E2EClus
     start, end = alloc.placement.start, alloc.placement.end
     blocking = {name for name, s in slices.items() if start <= s < end}
     assert set(living(c)) == (set(slices) - blocking) | {"big"}, (start, end, sorted(living(c)))
+    # The victims' instances were destroyed before the 3g one was made at their slices: the
+    # simulated GPU holds exactly the live pods' instances, none overlapping.
+    report = cluster_report(c)
+    assert report.ok, str(report)
 
 
 def test_equal_or_higher_priority_pods_are_never_victims(empty: E2ECluster) -> None:
