@@ -236,9 +236,17 @@ class Reservations:
 
     # ----- the calls ---------------------------------------------------------------------
 
-    def offer(self, req: PodRequest, meta: Mapping[str, Any], spec: object, limit: int) -> Offer:
+    def offer(
+        self,
+        req: PodRequest,
+        meta: Mapping[str, Any],
+        spec: object,
+        limit: int,
+        nominated: str = "",
+    ) -> Offer:
         """Every node's verdict for ``req``, and the ``limit`` best (0: every) nodes that fit.
-        ``meta``/``spec``: the pod's, for bind annotations left over from an earlier attempt."""
+        ``meta``/``spec``: the pod's, for bind annotations left over from an earlier attempt.
+        ``nominated``: the node kube-scheduler's preemption made room on for the pod."""
         ident = req.uid or req.key
         self._clear_leftover(req.key, ident, meta, spec)
         with self._spans.span("decide"), self._cache.lock:
@@ -261,9 +269,13 @@ class Reservations:
             why = explain(decision, self._cache.state) if not names else ""
             pending = rejection_reasons(decision) if not names else 0
             # With some nodes feasible too: kube-scheduler's other plugins may reject them all.
-            preemptible = preemptible_nodes(
-                self._cache.state, req, decision.feasible, self._cache.leaving()
-            )
+            leaving = self._cache.leaving()
+            preemptible = preemptible_nodes(self._cache.state, req, decision.feasible, leaving)
+            if nominated and any(a.key in leaving for a in self._cache.state.pods_on(nominated)):
+                # The pods preempted for it on its nominated node are still leaving here, while
+                # kube-scheduler may have seen them gone already (and so would preempt again
+                # elsewhere for the same pod): until they are gone, that node is the only one.
+                preemptible = [n for n in preemptible if n == nominated]
             wall_s, cpu_s = self._clock() - started, self._cpu_clock() - cpu_started
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))

@@ -21,7 +21,7 @@ import grpc
 import structlog
 
 from api.errors import InvalidInputError, short_repr
-from api.kube.objects import pod_key
+from api.kube.objects import nominated_node, pod_key
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
@@ -187,7 +187,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not req.wants_gpu:
             return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
         meta = pod["metadata"]
-        offer = _call(self._lifecycle.offer, req, meta, pod.get("spec"), request.candidate_nodes)
+        offer = _call(
+            self._lifecycle.offer,
+            req,
+            meta,
+            pod.get("spec"),
+            request.candidate_nodes,
+            nominated_node(pod),
+        )
         self._metrics.observe_decision(offer.wall_s, offer.pending, cpu_seconds=offer.cpu_s)
         if not offer.nodes:
             if self._events is not None:

@@ -396,3 +396,25 @@ def test_pods_being_preempted_count_for_placement_but_not_for_another_dry_run(
     assert back.fits
     h.cache.delete_pod(going)
     assert h.prefilter(wanting("p", mem=4000, priority=50)).code == OK
+
+
+def test_a_pod_whose_victims_are_still_leaving_preempts_nowhere_else(h: Harness) -> None:
+    """kube-scheduler may see the victims on a pod's nominated node deleted before this
+    server does; it would then preempt again elsewhere for the same pod. Until they are gone
+    here, the nominated node is the only preemptible one."""
+    h.cache.apply_node(node_obj("n1", gpu("GPU-1")))
+    h.cache.apply_node(node_obj("n2", gpu("GPU-2")))
+    going = victim("going", "n1", [("GPU-1", 6000, 10)], priority=0)
+    h.cache.apply_pod(going)
+    h.cache.apply_pod(victim("other", "n2", [("GPU-2", 6000, 10)], priority=0))
+    preemptor = wanting("p", mem=4000, priority=50)
+    assert sorted(h.prefilter(preemptor).preemptible_nodes) == ["n1", "n2"]
+    h.cache.apply_pod(marked(going))  # preempted for p, nominated to n1
+    preemptor["status"] = {"nominatedNodeName": "n1"}
+    assert list(h.prefilter(preemptor).preemptible_nodes) == ["n1"]
+    # Nominated elsewhere (no victim of its own leaving there): every node, as before.
+    preemptor["status"] = {"nominatedNodeName": "n2"}
+    assert sorted(h.prefilter(preemptor).preemptible_nodes) == ["n1", "n2"]
+    h.cache.delete_pod(going)  # gone: the pod now fits n1
+    preemptor["status"] = {"nominatedNodeName": "n1"}
+    assert h.prefilter(preemptor).code == OK

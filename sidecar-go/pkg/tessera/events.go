@@ -2,6 +2,7 @@ package tessera
 
 import (
 	"context"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
@@ -34,6 +35,7 @@ func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj inter
 			return fwk.QueueSkip, nil
 		}
 		if p.resources.requested(other) {
+			p.events.seen(time.Now()) // the server's watch may apply it after the next cycle
 			return fwk.Queue, nil
 		}
 	}

@@ -53,7 +53,10 @@ const genericInfeasible = "Tessera: the pod's GPU request does not fit"
 // premature.
 func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	p.checkPreemptsAfter(ctx)
-	p.retryIfStale(ctx, state, pod)
+	retrying := p.retryIfStale(ctx, state, pod)
+	if st := preemptedJustNow(pod, retrying); st != nil {
+		return nil, st
+	}
 	d, err := readDecision(state)
 	if err != nil {
 		return nil, fwk.NewStatus(fwk.Unschedulable)

@@ -185,8 +185,8 @@ type Plugin struct {
 	postFilterOrder sync.Once
 	// wide holds pods whose candidates were all rejected: they get every feasible node.
 	wide wideSet
-	// nodeEvents: when the last node event arrived (retryIfStale).
-	nodeEvents nodeEventClock
+	// events: when the last node or GPU pod event arrived (retryIfStale).
+	events eventClock
 }
 
 var (

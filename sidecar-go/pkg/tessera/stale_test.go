@@ -2,6 +2,7 @@ package tessera
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -36,10 +37,12 @@ func TestAFailedCycleRightAfterANodeEventIsRetriedOnce(t *testing.T) {
 			h := &activations{got: make(chan string, 4)}
 			p := &Plugin{handle: h}
 			asked := time.Now()
-			p.nodeEvents.seen(asked.Add(-tc.eventAgo))
+			p.events.seen(asked.Add(-tc.eventAgo))
 			state := newState()
 			state.Write(askedKey, askedAt(asked))
-			p.retryIfStale(context.Background(), state, makePod("late").obj())
+			if got := p.retryIfStale(context.Background(), state, makePod("late").obj()); got != tc.wantRetry {
+				t.Errorf("retryIfStale = %v, want %v", got, tc.wantRetry)
+			}
 			select {
 			case key := <-h.got:
 				if !tc.wantRetry {
@@ -64,19 +67,56 @@ func TestTheNodeEventHintQueuesAndRemembersTheTime(t *testing.T) {
 	if err != nil || hint != fwk.Queue {
 		t.Fatalf("hint %v, %v; want Queue", hint, err)
 	}
-	if p.nodeEvents.last().Before(before) {
-		t.Fatalf("last node event %v, want at or after %v", p.nodeEvents.last(), before)
+	if p.events.last().Before(before) {
+		t.Fatalf("last node event %v, want at or after %v", p.events.last(), before)
 	}
 }
 
 func TestNoRetryWithoutAnAskedTime(t *testing.T) {
 	h := &activations{got: make(chan string, 1)}
 	p := &Plugin{handle: h}
-	p.nodeEvents.seen(time.Now())
+	p.events.seen(time.Now())
 	p.retryIfStale(context.Background(), newState(), makePod("skipped").obj())
 	select {
 	case key := <-h.got:
 		t.Fatalf("retried %s although PreFilter never asked the server", key)
 	case <-time.After(staleRetry + 500*time.Millisecond):
+	}
+}
+
+func TestAGPUPodChangeCountsAsAnEventTheServerMayLagOn(t *testing.T) {
+	fake, p := startFake(t, nil)
+	_ = fake
+	before := time.Now()
+	rejected := makePod("waiting").gpu("1").obj()
+	gone := makePod("victim").gpu("1").obj()
+	if hint, err := p.isGPUPodChange(klog.Background(), rejected, gone, nil); err != nil || hint != fwk.Queue {
+		t.Fatalf("hint %v, %v; want Queue", hint, err)
+	}
+	if p.events.last().Before(before) {
+		t.Fatal("a GPU pod's deletion was not remembered for retryIfStale")
+	}
+	p.events.seen(time.Time{})
+	cpuOnly := makePod("cpu-only").obj()
+	if hint, _ := p.isGPUPodChange(klog.Background(), rejected, cpuOnly, nil); hint != fwk.QueueSkip {
+		t.Fatalf("hint %v for a pod without GPUs, want QueueSkip", hint)
+	}
+	if !p.events.last().Before(before) {
+		t.Fatal("a pod without GPUs counted as an event the server may lag on")
+	}
+}
+
+func TestANominatedPodDoesNotPreemptAgainWhileTheServerMayLag(t *testing.T) {
+	nominated := makePod("preemptor").gpu("1").obj()
+	nominated.Status.NominatedNodeName = "n1"
+	if st := preemptedJustNow(nominated, true); st.Code() != fwk.UnschedulableAndUnresolvable ||
+		!strings.Contains(st.Message(), "n1") {
+		t.Errorf("right after its victims changed: %v %q, want UnschedulableAndUnresolvable naming n1", st.Code(), st.Message())
+	}
+	if st := preemptedJustNow(nominated, false); st != nil {
+		t.Errorf("with no recent GPU pod event: %v, want nil (preemption may run)", st)
+	}
+	if st := preemptedJustNow(makePod("fresh").gpu("1").obj(), true); st != nil {
+		t.Errorf("a pod never nominated: %v, want nil", st)
 	}
 }
