@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,7 @@ from scheduler_plugins.core.state import (
     ClusterState,
     Geometry,
     GpuArrays,
+    GpuSource,
     Layout,
     PathTable,
     Scratch,
@@ -252,7 +253,7 @@ class _Evaluated:
 
 
 def _plan_of(
-    src: _StateLike,
+    src: GpuSource,
     request: PodRequest,
     node: str,
     devices_of: tuple[GpuDevice, ...],
@@ -300,17 +301,6 @@ def _plan_of(
         node,
         tuple(per_container.get(i, ()) for i in range(request.container_count)),
     )
-
-
-class _StateLike(Protocol):
-    """What the engine reads: the state itself, or a what-if's copy of some nodes' rows."""
-
-    @property
-    def gpus(self) -> GpuArrays: ...
-    @property
-    def geometries(self) -> list[Geometry]: ...
-    @property
-    def types(self) -> list[str]: ...
 
 
 _COLUMNS = tuple(f.name for f in fields(GpuArrays) if f.name != "slice_use")
@@ -391,7 +381,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
 
 
 def feasible_on(
-    src: _StateLike,
+    src: GpuSource,
     state: ClusterState,
     layout: Layout,
     request: PodRequest,
@@ -432,7 +422,7 @@ def feasible_on(
 
 
 def plan_on(
-    src: _StateLike,
+    src: GpuSource,
     state: ClusterState,
     layout: Layout,
     request: PodRequest,
@@ -463,7 +453,7 @@ def plan_on(
 
 
 def _request_masks(
-    src: _StateLike,
+    src: GpuSource,
     layout: Layout,
     request: PodRequest,
     *,
@@ -506,7 +496,7 @@ def _request_masks(
 
 
 def _feasible(
-    state: _StateLike,
+    state: GpuSource,
     layout: Layout,
     request: PodRequest,
     masks: _Masks,
@@ -567,7 +557,7 @@ def _feasible(
 
 
 def _paths(
-    src: _StateLike,
+    src: GpuSource,
     layout: Layout,
     request: PodRequest,
     masks: _Masks,
@@ -658,7 +648,7 @@ def _kept_usage(state: ClusterState, table: PathTable, mig: bool) -> tuple[F64, 
 
 
 def _evaluate(
-    src: _StateLike,
+    src: GpuSource,
     layout: Layout,
     request: PodRequest,
     masks: _Masks,
@@ -941,7 +931,7 @@ class _Path:
 
     def __init__(
         self,
-        src: _StateLike,
+        src: GpuSource,
         table: PathTable | _TableRows,
         masks: _Masks,
         request: PodRequest,
@@ -1495,7 +1485,7 @@ class _Path:
 
 
 def _min_rank(
-    src: _StateLike, table: PathTable, c: ContainerRequest, memo: dict[Any, Any] | None
+    src: GpuSource, table: PathTable, c: ContainerRequest, memo: dict[Any, Any] | None
 ) -> I64 | None:
     """Per position of ``table``, the smallest profile rank ``c`` accepts
     (``mig_policy.smallest_rank``; R: none); None if no geometry has a profile large enough.
@@ -1524,7 +1514,7 @@ def _min_rank(
 
 
 def _reasons(
-    src: _StateLike, layout: Layout, request: PodRequest, masks: _Masks, feasible: B
+    src: GpuSource, layout: Layout, request: PodRequest, masks: _Masks, feasible: B
 ) -> I64:
     """[S] Reason bits of every node that is not feasible: the static reasons of its GPUs
     (``rules.static_reasons``), too few GPUs, and the checks that failed when those nodes are
@@ -1620,7 +1610,7 @@ def _uuid_rows(state: ClusterState, layout: Layout, owned: bool) -> dict[str, li
     return rows_of
 
 
-def _mig_devices(state: _StateLike, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
+def _mig_devices(state: GpuSource, rows: I64, prof: I64, start: I64) -> tuple[I64, F64, F64]:
     """Occupancy bits, memory and cores of MIG devices (profile rank ``prof`` at ``start``)."""
     gids = state.gpus.geom[rows]
     size = np.zeros(rows.size, np.int64)
