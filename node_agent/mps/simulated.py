@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +53,7 @@ from node_agent.mps.errors import (
     MpsNotRunningError,
     MpsStartError,
 )
+from node_agent.statefile import write_atomically
 
 log = structlog.get_logger(__name__)
 
@@ -248,15 +248,7 @@ class SimulatedMps:
         data = json.dumps(self._to_json(), separators=(",", ":"), sort_keys=True)
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # Atomic: a restarted agent reads the old state or the new one, never half.
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{STATE_FILE}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_atomically(path, data)
         except OSError as e:
             raise MpsError("", f"write {path}", e.strerror or str(e)) from e
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import time
 from collections import deque
@@ -72,6 +71,7 @@ from node_agent.nvml.errors import (
     NotSupported,
     NvmlError,
 )
+from node_agent.statefile import write_atomically
 
 STATE_VERSION: Final = 1
 HOLD_ENV: Final = "TESSERA_SIMULATED_NVML_HOLD_DIR"
@@ -532,18 +532,7 @@ class SimulatedNvml:
         # Compact: the C encoder (an indented dump runs the pure-Python one, ~10x slower, and
         # the kwok node agent persisted every MIG operation that way).
         data = json.dumps(self._to_json(), separators=(",", ":"), sort_keys=True)
-        # Atomic (a restarted agent reads the old state or the new one, never half) but not
-        # fsynced: the state must outlive the agent's process, which the page cache does; a
-        # machine crash loses it, as a reboot clears a real GPU's MIG instances. An fsync per
-        # MIG operation held a kwok worker for milliseconds on a busy disk.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, data)
 
     def _load(self, path: Path) -> None:
         what = f"load simulated NVML state from {path}"
