@@ -55,16 +55,16 @@ def add_cluster_commands(
     up.add_argument("--timeout", type=float, default=120.0, help="seconds per component")
     up.add_argument("--nodes", type=int, default=0, help="add this many fake GPU nodes")
     up.add_argument("--profile", type=Path, help="node profile YAML for --nodes")
-    up.set_defaults(func=_logged(_cmd_up))
+    up.set_defaults(func=logged(_cmd_up))
 
     down = sub.add_parser("down", help="stop every process of the cluster (also after a crash)")
     _common(down)
     down.add_argument("--purge", action="store_true", help="also delete its state dir (etcd data)")
-    down.set_defaults(func=_logged(_cmd_down))
+    down.set_defaults(func=logged(_cmd_down))
 
     status = sub.add_parser("status", help="show what runs; exit 1 unless all is healthy")
     _common(status)
-    status.set_defaults(func=_logged(_cmd_status))
+    status.set_defaults(func=logged(_cmd_status))
 
     add = sub.add_parser("add-nodes", help="create kwok fake GPU nodes from a profile")
     _common(add)
@@ -74,11 +74,11 @@ def add_cluster_commands(
     add.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel requests")
     add.add_argument("--no-wait", action="store_true", help="don't wait for Ready")
     add.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for Ready")
-    add.set_defaults(func=_logged(_cmd_add_nodes))
+    add.set_defaults(func=logged(_cmd_add_nodes))
     return cluster
 
 
-def _logged(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def logged(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Send structlog output to stderr (unless the app configured it): stdout is the answer."""
 
     def run(args: argparse.Namespace) -> int:
@@ -157,9 +157,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     states = Cluster(settings).status()
     print(f"cluster {settings.name} ({settings.state_dir})")
     for st in states:
-        pid = str(st.pid) if st.pid else "-"
-        state = "healthy" if st.healthy else "running" if st.running else "stopped"
-        print(f"  {st.component:<15} {state:<8} pid={pid:<8} {st.detail}")
+        print(st.line(15))
     if all(st.healthy for st in states):
         print(f"  server {settings.apiserver_url}  kubeconfig {settings.kubeconfig}")
         return 0

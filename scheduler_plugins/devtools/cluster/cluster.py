@@ -83,6 +83,32 @@ class ComponentStatus:
     healthy: bool
     detail: str
 
+    def line(self, width: int) -> str:
+        """One row of ``status``: ``  NAME  healthy|running|stopped  pid=N  detail``."""
+        pid = str(self.pid) if self.pid else "-"
+        state = "healthy" if self.healthy else "running" if self.running else "stopped"
+        return f"  {self.component:<{width}} {state:<8} pid={pid:<8} {self.detail}"
+
+
+def component_status(
+    settings: ClusterSettings, component: str, probe: Callable[[], str | None]
+) -> ComponentStatus:
+    """A component's state from its pid file and, while it runs, ``probe`` (None: healthy;
+    else why not)."""
+    record = processes.read_record(settings.pid_file(component))
+    running = record is not None and processes.is_running(record)
+    why_not = probe() if running else "not running"
+    detail = "ok" if why_not is None else why_not
+    if record is not None and not running:
+        detail = f"crashed or killed (stale pid file); log: {settings.log_file(component)}"
+    return ComponentStatus(
+        component=component,
+        pid=record.pid if record else None,
+        running=running,
+        healthy=running and why_not is None,
+        detail=detail,
+    )
+
 
 class Cluster:
     """One dev cluster, addressed by its settings (name, ports, dirs)."""
@@ -185,24 +211,7 @@ class Cluster:
             APISERVER: self._probe_apiserver,
             KWOK: self._probe_kwok,
         }
-        out: list[ComponentStatus] = []
-        for component in COMPONENTS:
-            record = processes.read_record(s.pid_file(component))
-            running = record is not None and processes.is_running(record)
-            why_not = probes[component]() if running else "not running"
-            detail = "ok" if why_not is None else why_not
-            if record is not None and not running:
-                detail = f"crashed or killed (stale pid file); log: {s.log_file(component)}"
-            out.append(
-                ComponentStatus(
-                    component=component,
-                    pid=record.pid if record else None,
-                    running=running,
-                    healthy=running and why_not is None,
-                    detail=detail,
-                )
-            )
-        return out
+        return [component_status(s, c, probes[c]) for c in COMPONENTS]
 
     def info(self, tokens: Tokens | None = None, pki: Pki | None = None) -> ClusterInfo:
         s = self.settings

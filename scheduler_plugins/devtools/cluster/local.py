@@ -26,8 +26,9 @@ from typing import Final
 
 import structlog
 
-from scheduler_plugins.devtools.cluster import jaeger, processes, stack
-from scheduler_plugins.devtools.cluster.cluster import Cluster, ComponentStatus
+from scheduler_plugins.devtools.cluster import jaeger, stack
+from scheduler_plugins.devtools.cluster.cli import logged
+from scheduler_plugins.devtools.cluster.cluster import Cluster, ComponentStatus, component_status
 from scheduler_plugins.devtools.cluster.errors import ClusterError
 from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
 from scheduler_plugins.devtools.cluster.layout import (
@@ -125,7 +126,7 @@ def status(settings: ClusterSettings) -> list[ComponentStatus]:
     if _stack_started_with(settings) or jaeger.running(settings):
         ports = jaeger.recorded_ports(settings)
         out.append(
-            _status_of(
+            component_status(
                 settings,
                 jaeger.JAEGER,
                 lambda: "no recorded ports" if ports is None else jaeger.probe(ports),
@@ -171,32 +172,15 @@ def _stack_started_with(settings: ClusterSettings) -> bool | None:
 
 def _stack_states(settings: ClusterSettings) -> list[ComponentStatus]:
     out = [
-        _status_of(settings, c, functools.partial(stack.probe, settings, c)) for c in stack.STACK
+        component_status(settings, c, functools.partial(stack.probe, settings, c))
+        for c in stack.STACK
     ]
-    out.append(_status_of(settings, WEBHOOK, functools.partial(probe_webhook, settings)))
+    out.append(component_status(settings, WEBHOOK, functools.partial(probe_webhook, settings)))
     return out
 
 
 def _stack_healthy(settings: ClusterSettings) -> bool:
     return all(st.healthy for st in _stack_states(settings))
-
-
-def _status_of(
-    settings: ClusterSettings, component: str, check: Callable[[], str | None]
-) -> ComponentStatus:
-    record = processes.read_record(settings.pid_file(component))
-    running = record is not None and processes.is_running(record)
-    why_not = check() if running else "not running"
-    detail = "ok" if why_not is None else why_not
-    if record is not None and not running:
-        detail = f"crashed or killed (stale pid file); log: {settings.log_file(component)}"
-    return ComponentStatus(
-        component=component,
-        pid=record.pid if record else None,
-        running=running,
-        healthy=running and why_not is None,
-        detail=detail,
-    )
 
 
 # Command line ------------------------------------------------------------------------------
@@ -220,16 +204,16 @@ def add_local_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p_up.add_argument("--etcd-port", type=int, help="etcd client port (default 2379)")
     p_up.add_argument("--etcd-peer-port", type=int, help="etcd peer port (default etcd port + 1)")
     p_up.add_argument("--kwok-port", type=int, help="kwok health port (default 10247)")
-    p_up.set_defaults(func=_cmd_up)
+    p_up.set_defaults(func=logged(_cmd_up))
 
     p_down = sub.add_parser("down", help="stop everything `tessera up` started")
     _common(p_down)
     p_down.add_argument("--purge", action="store_true", help="also delete the cluster's state")
-    p_down.set_defaults(func=_cmd_down)
+    p_down.set_defaults(func=logged(_cmd_down))
 
     p_status = sub.add_parser("status", help="health of each component; exit 1 unless all is")
     _common(p_status)
-    p_status.set_defaults(func=_cmd_status)
+    p_status.set_defaults(func=logged(_cmd_status))
 
     p_env = sub.add_parser("env", help='shell lines for the cluster: eval "$(tessera env)"')
     _common(p_env)
@@ -266,13 +250,7 @@ def _settings(a: argparse.Namespace) -> ClusterSettings:
     )
 
 
-def _log_to_stderr() -> None:
-    if not structlog.is_configured():
-        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-
-
 def _cmd_up(a: argparse.Namespace) -> int:
-    _log_to_stderr()
     if a.nodes < 0:
         raise ClusterError(f"--nodes must be ≥ 0, got {a.nodes}")
     settings = _settings(a)
@@ -297,7 +275,6 @@ def _cmd_up(a: argparse.Namespace) -> int:
 
 
 def _cmd_down(a: argparse.Namespace) -> int:
-    _log_to_stderr()
     settings = _settings(a)
     stopped = down(settings, purge=a.purge)
     what = ", ".join(stopped) if stopped else "nothing was running"
@@ -306,14 +283,11 @@ def _cmd_down(a: argparse.Namespace) -> int:
 
 
 def _cmd_status(a: argparse.Namespace) -> int:
-    _log_to_stderr()
     settings = _settings(a)
     states = status(settings)
     print(f"cluster {settings.name} ({settings.state_dir})")
     for st in states:
-        pid = str(st.pid) if st.pid else "-"
-        state = "healthy" if st.healthy else "running" if st.running else "stopped"
-        print(f"  {st.component:<18} {state:<8} pid={pid:<8} {st.detail}")
+        print(st.line(18))
     if all(st.healthy for st in states):
         for line in env_lines(settings):
             print(f"  {line.removeprefix('export ')}")
