@@ -394,13 +394,7 @@ def feasible_on(
     ``Reason`` bits of the nodes that do not fit, as ``Decision.reasons`` has them.
     ``state``: the state those nodes are of (their GPU pair scores); ``uuid_rows``: the rows
     of each GPU UUID in ``src``."""
-    masks = _request_masks(
-        src,
-        layout,
-        request,
-        uuid_rows=uuid_rows,
-        pair_scores=lambda: _pair_scores(state, layout, owned=False),
-    )
+    masks = _copy_masks(src, state, layout, request, uuid_rows)
     preference = ranking.Preference(request.node_policy, 1.0)
     owned = layout.scratch.acquire()
     try:
@@ -433,13 +427,7 @@ def plan_on(
     """The devices ``decide`` would plan for ``request`` on ``node`` of ``layout`` (as
     ``feasible_on``), or None where it does not fit."""
     s = layout.seg_index[node]
-    masks = _request_masks(
-        src,
-        layout,
-        request,
-        uuid_rows=uuid_rows,
-        pair_scores=lambda: _pair_scores(state, layout, owned=False),
-    )
+    masks = _copy_masks(src, state, layout, request, uuid_rows)
     owned = layout.scratch.acquire()
     try:
         ok, plans = _evaluate(src, layout, request, masks, np.array([s], np.int64), owned)
@@ -450,6 +438,23 @@ def plan_on(
         return None
     first = int(layout.starts[s])
     return _plan_of(src, request, node, state.nodes[node].devices, plans, 0, first)
+
+
+def _copy_masks(
+    src: GpuSource,
+    state: ClusterState,
+    layout: Layout,
+    request: PodRequest,
+    uuid_rows: Callable[[], Mapping[str, Sequence[int]]],
+) -> _Masks:
+    """``_request_masks`` on a what-if's copy: its pair scores are the state's own."""
+    return _request_masks(
+        src,
+        layout,
+        request,
+        uuid_rows=uuid_rows,
+        pair_scores=lambda: _pair_scores(state, layout, owned=False),
+    )
 
 
 def _request_masks(
