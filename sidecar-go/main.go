@@ -37,7 +37,16 @@ func main() {
 // nominatedNodeName before every PreBind that does work: for Tessera, whose PreBind is one
 // annotation patch, that is an extra pod status write per GPU pod (about a fifth of the
 // apiserver's work in a burst) that only matters for binds that take long.
-var defaultGates = map[string]bool{string(features.NominatedNodeNameForExpectation): false}
+//
+// SchedulerPopFromBackoffQ (beta, on upstream) lets an idle scheduler pop pods still backing
+// off. In 1.36 the members of a pod group retry by backoff alone, so with it a gang that does
+// not fit is tried again at once, over and over (a trial reservation of every member each
+// time) while nothing else is queued. Off, a failed gang waits its backoff (1 s, doubling to
+// 10 s) or an event that may let it fit.
+var defaultGates = map[string]bool{
+	string(features.NominatedNodeNameForExpectation): false,
+	string(features.SchedulerPopFromBackoffQ):        false,
+}
 
 // pprofEnv names a loopback HOST:PORT to serve Go's /debug/pprof on (diagnostics; kube-scheduler's
 // own endpoint needs its secure port and delegated authentication).

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from api.kube.errors import NotFoundError
 from node_agent.deviceplugin.types import ContainerAllocation
 
 _LISTEN = "0A"
@@ -87,6 +88,10 @@ class IdleKube:
         self, path: str, resource_version: str | None = None, *, timeout_s: int = 60
     ) -> IdleWatch:
         return IdleWatch(timeout_s)
+
+    def get(self, path: str) -> Any:
+        # An API server without the alpha PodGroup API (the gang watch stays off).
+        raise NotFoundError("GET", path, 404, "NotFound", "the server could not find it")
 
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
         return {}

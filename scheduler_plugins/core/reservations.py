@@ -342,11 +342,19 @@ class Reservations:
             return what_if(state, req, node, removed=removed, added=placed)
 
     def reserve(
-        self, ident: str, key: str, node: str, decision_id: int, *, hand_over: bool
+        self,
+        ident: str,
+        key: str,
+        node: str,
+        decision_id: int,
+        *,
+        hand_over: bool,
+        trial: bool = False,
     ) -> Handed | None:
         """Count the pod's plan on ``node`` now. With ``hand_over``: the bind annotations and
         labels when nothing on the node makes the pod wait (the shim binds with them and skips
-        PreBind), else None (PreBind waits and hands them over)."""
+        PreBind), else None (PreBind waits and hands them over). ``trial``: kube-scheduler
+        tries the pod's gang and reverts this when its cycle ends (only logged as such)."""
         self._refuse_while_written(key)
         self._settle_unsure(key)
         with self._spans.span("reserve"), self._cache.lock:
@@ -364,7 +372,7 @@ class Reservations:
             res = self._reservations[ident] = _Reservation(plan)
             self._reserved_as[key] = ident
             handed = self._hand_over_now(key, res) if hand_over else None
-        log.info("reserved", pod=key, node=node, handed_over=handed is not None)
+        log.info("reserved", pod=key, node=node, handed_over=handed is not None, trial=trial)
         return handed
 
     def unreserve(self, ident: str, key: str, node: str) -> None:

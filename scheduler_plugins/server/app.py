@@ -33,7 +33,8 @@ from api.sockets import (
 )
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.reservations import DEFAULT_PREBIND_WAIT_S
-from scheduler_plugins.server.events import EventRecorder, PodEventTarget, PreemptionReporter
+from scheduler_plugins.server.events import EventRecorder, EventTarget, PreemptionReporter
+from scheduler_plugins.server.gangs import GangReporter
 from scheduler_plugins.server.metrics import MetricsAddressError, MetricsServer, server_metrics
 from scheduler_plugins.server.servicer import SchedulerServicer
 from scheduler_plugins.server.tracing import Tracing
@@ -136,9 +137,12 @@ class PluginServer:
         self.watches = Watches(kube, self.cache, watch_timeout_s=watch_timeout_s, backoff=backoff)
         self.events = EventRecorder(kube, min_interval_s=event_interval_s)
         self.cache.on_legacy_mig(
-            lambda pod, alloc: self.events.legacy_mig(PodEventTarget.of(pod), alloc)
+            lambda pod, alloc: self.events.legacy_mig(EventTarget.of(pod), alloc)
         )
         self.preemptions = PreemptionReporter(self.cache, self.events, metrics)
+        self.gangs = GangReporter(
+            kube, self.events, metrics, watch_timeout_s=watch_timeout_s, backoff=backoff
+        )
         self.servicer = SchedulerServicer(
             self.cache,
             kube,
@@ -153,6 +157,7 @@ class PluginServer:
             max_prebind_waiters=max(1, workers - 16),
             tracing=tracing,
             metrics=metrics,
+            gangs=self.gangs,
         )
         self._workers = workers
         self._executor: ThreadPoolExecutor | None = None
@@ -202,6 +207,7 @@ class PluginServer:
         self.events.start()
         self.preemptions.start()
         self.watches.start()
+        self.gangs.start()
         server.start()
         log.info("plugin server listening", address=self.address)
 
@@ -219,6 +225,7 @@ class PluginServer:
         if self._metrics_server is not None:
             self._metrics_server.stop()
         self.watches.stop()
+        self.gangs.stop()
         self.preemptions.stop()
         self.events.stop()
         if self.socket_path is not None and is_socket(self.socket_path):

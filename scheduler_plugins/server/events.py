@@ -8,7 +8,9 @@ HAMi <= v2.9 placed gets one (reason ``TesseraLegacyMigDevice``) when the plugin
 it, with what to do. When kube-scheduler preempts pods for a GPU pod, the pod gets a Normal
 Event (reason ``TesseraPreemption``) naming the victims, their node and GPUs or MIG slices and
 which of its needs they were blocking (``PreemptionReporter``, which also counts
-``tessera_preemptions_total``/``tessera_preemption_victims_total``). Posting happens on a
+``tessera_preemptions_total``/``tessera_preemption_victims_total``). A gang kube-scheduler
+could not place gets a Warning Event on its PodGroup (reason ``TesseraGangUnschedulable``)
+naming the members that did not fit and why (``server/gangs.py``). Posting happens on a
 worker thread so a slow apiserver never delays a scheduling cycle; when the queue is full the
 event is dropped (the next cycle records it again).
 """
@@ -47,6 +49,7 @@ log = structlog.get_logger("tessera.plugin_server.events")
 REASON = "TesseraUnschedulable"
 LEGACY_MIG_REASON = "TesseraLegacyMigDevice"
 PREEMPTION_REASON = "TesseraPreemption"
+GANG_REASON = "TesseraGangUnschedulable"
 COMPONENT = "tessera-plugin-server"
 _MAX_MESSAGE = 1024
 _MAX_PODS_REMEMBERED = 10_000
@@ -57,13 +60,17 @@ class EventPoster(Protocol):
 
 
 @dataclass(frozen=True)
-class PodEventTarget:
+class EventTarget:
+    """The object an Event is about: a pod unless told otherwise."""
+
     namespace: str
     name: str
     uid: str
+    kind: str = "Pod"
+    api_version: str = "v1"
 
     @classmethod
-    def of(cls, pod: Mapping[str, Any]) -> PodEventTarget:
+    def of(cls, pod: Mapping[str, Any]) -> EventTarget:
         meta = as_object(pod.get("metadata"))
         return cls(
             str(meta.get("namespace") or "default"),
@@ -112,15 +119,20 @@ class EventRecorder:
         while self._queue.unfinished_tasks and self._clock() < deadline:
             time.sleep(0.01)
 
-    def unschedulable(self, pod: PodEventTarget, message: str) -> bool:
+    def unschedulable(self, pod: EventTarget, message: str) -> bool:
         """Queue a Warning Event for ``pod``; False when rate-limited or the queue is full."""
         return self._record(pod, REASON, message, "Warning")
 
-    def preempted(self, pod: PodEventTarget, message: str) -> bool:
+    def preempted(self, pod: EventTarget, message: str) -> bool:
         """Queue a Normal Event for ``pod``: kube-scheduler preempted pods for it."""
         return self._record(pod, PREEMPTION_REASON, message, "Normal")
 
-    def legacy_mig(self, pod: PodEventTarget, alloc: PodAllocation) -> bool:
+    def gang_unschedulable(self, gang: EventTarget, message: str) -> bool:
+        """Queue a Warning Event for a PodGroup kube-scheduler could not place: which members
+        did not fit and why."""
+        return self._record(gang, GANG_REASON, message, "Warning")
+
+    def legacy_mig(self, pod: EventTarget, alloc: PodAllocation) -> bool:
         """Queue a Warning Event: ``pod`` holds MIG devices HAMi <= v2.9 placed."""
         slots = ", ".join(d.written_uuid for d in alloc.devices if d.legacy is not None)
         gpus = ", ".join(sorted({d.uuid for d in alloc.devices if d.legacy is not None}))
@@ -133,7 +145,7 @@ class EventRecorder:
             "Warning",
         )
 
-    def _record(self, pod: PodEventTarget, reason: str, message: str, kind: str) -> bool:
+    def _record(self, pod: EventTarget, reason: str, message: str, kind: str) -> bool:
         key = f"{reason}/{pod.uid or f'{pod.namespace}/{pod.name}'}"
         now = self._clock()
         with self._lock:
@@ -151,7 +163,7 @@ class EventRecorder:
             return False
         return True
 
-    def _event(self, pod: PodEventTarget, reason: str, message: str, kind: str) -> dict[str, Any]:
+    def _event(self, pod: EventTarget, reason: str, message: str, kind: str) -> dict[str, Any]:
         ts = datetime.fromtimestamp(self._wall_clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         if len(message) > _MAX_MESSAGE:
             message = message[: _MAX_MESSAGE - 1] + "…"
@@ -160,8 +172,8 @@ class EventRecorder:
             "kind": "Event",
             "metadata": {"generateName": f"{pod.name}.", "namespace": pod.namespace},
             "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
+                "apiVersion": pod.api_version,
+                "kind": pod.kind,
                 "namespace": pod.namespace,
                 "name": pod.name,
                 "uid": pod.uid,
@@ -256,7 +268,7 @@ class PreemptionReporter:
                 reports.append(p)
         for p in reports:
             namespace, _, name = p.preemptor.key.partition("/")
-            self._events.preempted(PodEventTarget(namespace, name, p.preemptor.uid), p.describe())
+            self._events.preempted(EventTarget(namespace, name, p.preemptor.uid), p.describe())
             self._metrics.count_preemption(p.needs(), len(p.victims))
             log.info(
                 "preemption",
@@ -296,5 +308,5 @@ class PreemptionReporter:
             log.warning("nominated pod left out", pod=pod_key(pod), node=node, error=repr(e))
             return
         if request.wants_gpu:
-            target = PodEventTarget.of(pod)
+            target = EventTarget.of(pod)
             self._tracker.nominated(Nominee(request.key, target.uid, node, request, self._clock()))

@@ -20,7 +20,8 @@ Go client writes — so dashboards built on HAMi's scheduler read Tessera's unch
 Tessera's own families are named ``tessera_scheduler_*`` and ``tessera_gpu_*``; those per GPU
 use the label names of HAMi's per-GPU families, so they join with them on
 ``device_uuid``/``node``. Preemptions for GPU pods are ``tessera_preemptions_total{reason}``
-(once per need the victims were blocking) and ``tessera_preemption_victims_total``.
+(once per need the victims were blocking) and ``tessera_preemption_victims_total``. Gangs
+are ``tessera_gangs_total{outcome}`` (admitted, unschedulable, timed_out).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ GPU_INFO: Final = "tessera_gpu_info"
 # Counters of kube-scheduler's preemptions for GPU pods (exposed with the ``_total`` suffix).
 PREEMPTIONS: Final = "tessera_preemptions"
 PREEMPTION_VICTIMS: Final = "tessera_preemption_victims"
+# Gangs (PodGroups with a gang policy) by what became of them (``tessera_gangs_total``).
+GANGS: Final = "tessera_gangs"
+GANG_OUTCOMES: Final = ("admitted", "unschedulable", "timed_out")
 
 DECISION_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # PreBind may wait (bounded by --prebind-wait) for an ambiguous pod on the node.
@@ -913,7 +917,17 @@ class SchedulingMetrics:
             "Pods holding GPUs that kube-scheduler preempted for GPU pods (seen by the watch)",
             registry=self.registry,
         )
+        self.gangs = Counter(
+            GANGS,
+            "Gangs by outcome: admitted (kube-scheduler placed minCount members at once), "
+            "unschedulable (it could not, and the gang holds nothing), timed_out (an admitted "
+            "gang let a member go before it was bound: its Permit wait ran out)",
+            ["outcome"],
+            registry=self.registry,
+        )
         # Known label values start at 0, so rates and absent-alerts work from the first scrape.
+        for gang_outcome in GANG_OUTCOMES:
+            self.gangs.labels(gang_outcome)
         for outcome in Outcome:
             self.decisions.labels(outcome.value)
         for reason in Reason:
@@ -944,6 +958,10 @@ class SchedulingMetrics:
         for need in needs:
             self.preemptions.labels(need).inc()
         self.preemption_victims.inc(victims)
+
+    def count_gang(self, outcome: str) -> None:
+        """One gang outcome, one of ``GANG_OUTCOMES``."""
+        self.gangs.labels(outcome).inc()
 
     def reserved(self, key: str) -> None:
         """Reserve counted pod ``key``'s allocation (the caller holds the state's lock)."""

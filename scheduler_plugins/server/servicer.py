@@ -14,8 +14,8 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Final, NoReturn, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -39,7 +39,7 @@ from scheduler_plugins.core.reservations import (
     WrongPod,
 )
 from scheduler_plugins.core.whatif import UnknownNode
-from scheduler_plugins.server.events import EventRecorder, PodEventTarget
+from scheduler_plugins.server.events import EventRecorder, EventTarget
 from scheduler_plugins.server.metrics import SchedulingMetrics
 from scheduler_plugins.server.tracing import Tracing, record_abort, record_response
 
@@ -97,6 +97,14 @@ class _GrpcCall:
         self._context.add_callback(callback)
 
 
+class GangRecorder(Protocol):
+    """What the servicer tells about gangs (``server.gangs.GangReporter``)."""
+
+    def offered(self, pod: Mapping[str, Any], key: str, why_not: str | None) -> None: ...
+
+    def released(self, key: str) -> None: ...
+
+
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     """``ready`` gates every answer but Unreserve: before it the state is not rebuilt yet."""
 
@@ -113,10 +121,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing | None = None,
         metrics: SchedulingMetrics | None = None,
+        gangs: GangRecorder | None = None,
     ) -> None:
         self._cache = cache
         self._ready = ready
         self._events = events
+        self._gangs = gangs
         self._tracing = tracing or Tracing.off()
         self._metrics = metrics if metrics is not None else SchedulingMetrics()
         self._lifecycle = Reservations(
@@ -196,10 +206,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             nominated_node(pod),
         )
         self._metrics.observe_decision(offer.wall_s, offer.pending, cpu_seconds=offer.cpu_s)
+        if self._gangs is not None:
+            self._gangs.offered(pod, req.key, None if offer.nodes else offer.why)
         if not offer.nodes:
             if self._events is not None:
                 ns, _, name = req.key.partition("/")
-                self._events.unschedulable(PodEventTarget(ns, name, req.uid), offer.why)
+                self._events.unschedulable(EventTarget(ns, name, req.uid), offer.why)
             return pb.PreFilterResponse(
                 code=pb.PreFilterResponse.UNSCHEDULABLE,
                 message=offer.why,
@@ -323,7 +335,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         ident, key = _ident(request.pod)
         try:
             handed = self._lifecycle.reserve(
-                ident, key, request.node, request.decision_id, hand_over=request.hand_over
+                ident,
+                key,
+                request.node,
+                request.decision_id,
+                hand_over=request.hand_over and not request.trial,
+                trial=request.trial,
             )
         except NoDecision as e:
             _abort(grpc.StatusCode.ABORTED, f"{e}; schedule it again")
@@ -340,6 +357,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._check_version(request.version)
         ident, key = _ident(request.pod)
         _call(self._lifecycle.unreserve, ident, key, request.node)
+        if request.gang_released and self._gangs is not None:
+            self._gangs.released(key)
         return pb.UnreserveResponse()
 
     def _prebind(

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
 from api.hami.register import encode
+from api.kube.errors import NotFoundError
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
@@ -172,6 +173,10 @@ class ListingKube:
         self, path: str, resource_version: str | None = None, *, timeout_s: int = 60
     ) -> IdleWatch:
         return IdleWatch(timeout_s)
+
+    def get(self, path: str) -> Any:
+        # An API server without the alpha PodGroup API (the gang watch stays off).
+        raise NotFoundError("GET", path, 404, "NotFound", "the server could not find it")
 
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
         return {}

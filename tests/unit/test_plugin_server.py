@@ -26,7 +26,7 @@ from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
-from scheduler_plugins.server.events import LEGACY_MIG_REASON, REASON, EventRecorder, PodEventTarget
+from scheduler_plugins.server.events import LEGACY_MIG_REASON, REASON, EventRecorder, EventTarget
 from scheduler_plugins.server.servicer import WAIT_ELSEWHERE, SchedulerServicer
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
@@ -338,7 +338,7 @@ def test_prefilter_names_infeasible_nodes_and_unschedulable_records_event(h: Har
 def test_a_pod_holding_hami_legacy_mig_devices_gets_one_warning_with_what_to_do(
     h: Harness,
 ) -> None:
-    h.cache.on_legacy_mig(lambda pod, alloc: h.events.legacy_mig(PodEventTarget.of(pod), alloc))
+    h.cache.on_legacy_mig(lambda pod, alloc: h.events.legacy_mig(EventTarget.of(pod), alloc))
     h.cache.apply_node(node_obj("n1", gpu("GPU-a"), gpu("GPU-b", index=1)))
     old = (
         make_pod("old")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61pi/plugin/v1/plugin.proto\x12\x11tessera.plugin.v1\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\x9a\x01\n\x10PreFilterRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x10\n\x08pod_json\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61ndidate_nodes\x18\x04 \x01(\r\"\xb9\x02\n\x11PreFilterResponse\x12\x37\n\x04\x63ode\x18\x01 \x01(\x0e\x32).tessera.plugin.v1.PreFilterResponse.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x65\x61sible_nodes\x18\x03 \x03(\t\x12\x0e\n\x06scores\x18\x04 \x03(\x03\x12\x1a\n\x12infeasible_message\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x06 \x01(\x04\x12\x16\n\x0e\x66\x65\x61sible_total\x18\x07 \x01(\r\x12\x19\n\x11preemptible_nodes\x18\x08 \x03(\t\"N\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x08\n\x04SKIP\x10\x02\x12\x11\n\rUNSCHEDULABLE\x10\x03\x12\x0b\n\x07INVALID\x10\x04\"\xa3\x01\n\x0eReserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x04 \x01(\x04\x12\x11\n\thand_over\x18\x05 \x01(\x08\"\xfe\x01\n\x0fReserveResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.ReserveResponse.AnnotationsEntry\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..tessera.plugin.v1.ReserveResponse.LabelsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x10UnreserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\"\x13\n\x11UnreserveResponse\"\x8e\x01\n\x0ePreBindRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\thand_over\x18\x04 \x01(\x08\"\xfe\x01\n\x0fPreBindResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.PreBindResponse.AnnotationsEntry\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..tessera.plugin.v1.PreBindResponse.LabelsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x0e\x45xplainRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\"\"\n\x0f\x45xplainResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xda\x01\n\x13\x46ilterWhatIfRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\x12\x10\n\x08pod_json\x18\x04 \x01(\x0c\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x18\n\x10removed_pod_uids\x18\x06 \x03(\t\x12\x17\n\x0f\x61\x64\x64\x65\x64_pods_json\x18\x07 \x03(\x0c\"5\n\x14\x46ilterWhatIfResponse\x12\x0c\n\x04\x66its\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x32\x92\x04\n\tScheduler\x12V\n\tPreFilter\x12#.tessera.plugin.v1.PreFilterRequest\x1a$.tessera.plugin.v1.PreFilterResponse\x12P\n\x07Reserve\x12!.tessera.plugin.v1.ReserveRequest\x1a\".tessera.plugin.v1.ReserveResponse\x12V\n\tUnreserve\x12#.tessera.plugin.v1.UnreserveRequest\x1a$.tessera.plugin.v1.UnreserveResponse\x12P\n\x07PreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponse\x12P\n\x07\x45xplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponse\x12_\n\x0c\x46ilterWhatIf\x12&.tessera.plugin.v1.FilterWhatIfRequest\x1a\'.tessera.plugin.v1.FilterWhatIfResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61pi/plugin/v1/plugin.proto\x12\x11tessera.plugin.v1\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\x9a\x01\n\x10PreFilterRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x10\n\x08pod_json\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61ndidate_nodes\x18\x04 \x01(\r\"\xb9\x02\n\x11PreFilterResponse\x12\x37\n\x04\x63ode\x18\x01 \x01(\x0e\x32).tessera.plugin.v1.PreFilterResponse.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x65\x61sible_nodes\x18\x03 \x03(\t\x12\x0e\n\x06scores\x18\x04 \x03(\x03\x12\x1a\n\x12infeasible_message\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x06 \x01(\x04\x12\x16\n\x0e\x66\x65\x61sible_total\x18\x07 \x01(\r\x12\x19\n\x11preemptible_nodes\x18\x08 \x03(\t\"N\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x08\n\x04SKIP\x10\x02\x12\x11\n\rUNSCHEDULABLE\x10\x03\x12\x0b\n\x07INVALID\x10\x04\"\xb2\x01\n\x0eReserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x04 \x01(\x04\x12\x11\n\thand_over\x18\x05 \x01(\x08\x12\r\n\x05trial\x18\x06 \x01(\x08\"\xfe\x01\n\x0fReserveResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.ReserveResponse.AnnotationsEntry\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..tessera.plugin.v1.ReserveResponse.LabelsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x01\n\x10UnreserveRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x15\n\rgang_released\x18\x04 \x01(\x08\"\x13\n\x11UnreserveResponse\"\x8e\x01\n\x0ePreBindRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\thand_over\x18\x04 \x01(\x08\"\xfe\x01\n\x0fPreBindResponse\x12H\n\x0b\x61nnotations\x18\x01 \x03(\x0b\x32\x33.tessera.plugin.v1.PreBindResponse.AnnotationsEntry\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..tessera.plugin.v1.PreBindResponse.LabelsEntry\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x0e\x45xplainRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\"\"\n\x0f\x45xplainResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xda\x01\n\x13\x46ilterWhatIfRequest\x12\x33\n\x07version\x18\x01 \x01(\x0e\x32\".tessera.plugin.v1.ProtocolVersion\x12&\n\x03pod\x18\x02 \x01(\x0b\x32\x19.tessera.plugin.v1.PodRef\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\x12\x10\n\x08pod_json\x18\x04 \x01(\x0c\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x18\n\x10removed_pod_uids\x18\x06 \x03(\t\x12\x17\n\x0f\x61\x64\x64\x65\x64_pods_json\x18\x07 \x03(\x0c\"5\n\x14\x46ilterWhatIfResponse\x12\x0c\n\x04\x66its\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x32\x92\x04\n\tScheduler\x12V\n\tPreFilter\x12#.tessera.plugin.v1.PreFilterRequest\x1a$.tessera.plugin.v1.PreFilterResponse\x12P\n\x07Reserve\x12!.tessera.plugin.v1.ReserveRequest\x1a\".tessera.plugin.v1.ReserveResponse\x12V\n\tUnreserve\x12#.tessera.plugin.v1.UnreserveRequest\x1a$.tessera.plugin.v1.UnreserveResponse\x12P\n\x07PreBind\x12!.tessera.plugin.v1.PreBindRequest\x1a\".tessera.plugin.v1.PreBindResponse\x12P\n\x07\x45xplain\x12!.tessera.plugin.v1.ExplainRequest\x1a\".tessera.plugin.v1.ExplainResponse\x12_\n\x0c\x46ilterWhatIf\x12&.tessera.plugin.v1.FilterWhatIfRequest\x1a\'.tessera.plugin.v1.FilterWhatIfResponseB*Z(tessera/sidecar-go/pkg/pluginv1;pluginv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_options = b'8\001'
   _globals['_PREBINDRESPONSE_LABELSENTRY']._loaded_options = None
   _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_PROTOCOLVERSION']._serialized_start=1996
-  _globals['_PROTOCOLVERSION']._serialized_end=2071
+  _globals['_PROTOCOLVERSION']._serialized_start=2035
+  _globals['_PROTOCOLVERSION']._serialized_end=2110
   _globals['_PODREF']._serialized_start=49
   _globals['_PODREF']._serialized_end=103
   _globals['_PREFILTERREQUEST']._serialized_start=106
@@ -51,33 +51,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILTERRESPONSE_CODE']._serialized_start=498
   _globals['_PREFILTERRESPONSE_CODE']._serialized_end=576
   _globals['_RESERVEREQUEST']._serialized_start=579
-  _globals['_RESERVEREQUEST']._serialized_end=742
-  _globals['_RESERVERESPONSE']._serialized_start=745
-  _globals['_RESERVERESPONSE']._serialized_end=999
-  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_start=902
-  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_end=952
-  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_start=954
-  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_end=999
-  _globals['_UNRESERVEREQUEST']._serialized_start=1001
-  _globals['_UNRESERVEREQUEST']._serialized_end=1126
-  _globals['_UNRESERVERESPONSE']._serialized_start=1128
-  _globals['_UNRESERVERESPONSE']._serialized_end=1147
-  _globals['_PREBINDREQUEST']._serialized_start=1150
-  _globals['_PREBINDREQUEST']._serialized_end=1292
-  _globals['_PREBINDRESPONSE']._serialized_start=1295
-  _globals['_PREBINDRESPONSE']._serialized_end=1549
-  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_start=902
-  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_end=952
-  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_start=954
-  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_end=999
-  _globals['_EXPLAINREQUEST']._serialized_start=1552
-  _globals['_EXPLAINREQUEST']._serialized_end=1682
-  _globals['_EXPLAINRESPONSE']._serialized_start=1684
-  _globals['_EXPLAINRESPONSE']._serialized_end=1718
-  _globals['_FILTERWHATIFREQUEST']._serialized_start=1721
-  _globals['_FILTERWHATIFREQUEST']._serialized_end=1939
-  _globals['_FILTERWHATIFRESPONSE']._serialized_start=1941
-  _globals['_FILTERWHATIFRESPONSE']._serialized_end=1994
-  _globals['_SCHEDULER']._serialized_start=2074
-  _globals['_SCHEDULER']._serialized_end=2604
+  _globals['_RESERVEREQUEST']._serialized_end=757
+  _globals['_RESERVERESPONSE']._serialized_start=760
+  _globals['_RESERVERESPONSE']._serialized_end=1014
+  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_start=917
+  _globals['_RESERVERESPONSE_ANNOTATIONSENTRY']._serialized_end=967
+  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_start=969
+  _globals['_RESERVERESPONSE_LABELSENTRY']._serialized_end=1014
+  _globals['_UNRESERVEREQUEST']._serialized_start=1017
+  _globals['_UNRESERVEREQUEST']._serialized_end=1165
+  _globals['_UNRESERVERESPONSE']._serialized_start=1167
+  _globals['_UNRESERVERESPONSE']._serialized_end=1186
+  _globals['_PREBINDREQUEST']._serialized_start=1189
+  _globals['_PREBINDREQUEST']._serialized_end=1331
+  _globals['_PREBINDRESPONSE']._serialized_start=1334
+  _globals['_PREBINDRESPONSE']._serialized_end=1588
+  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_start=917
+  _globals['_PREBINDRESPONSE_ANNOTATIONSENTRY']._serialized_end=967
+  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_start=969
+  _globals['_PREBINDRESPONSE_LABELSENTRY']._serialized_end=1014
+  _globals['_EXPLAINREQUEST']._serialized_start=1591
+  _globals['_EXPLAINREQUEST']._serialized_end=1721
+  _globals['_EXPLAINRESPONSE']._serialized_start=1723
+  _globals['_EXPLAINRESPONSE']._serialized_end=1757
+  _globals['_FILTERWHATIFREQUEST']._serialized_start=1760
+  _globals['_FILTERWHATIFREQUEST']._serialized_end=1978
+  _globals['_FILTERWHATIFRESPONSE']._serialized_start=1980
+  _globals['_FILTERWHATIFRESPONSE']._serialized_end=2033
+  _globals['_SCHEDULER']._serialized_start=2113
+  _globals['_SCHEDULER']._serialized_end=2643
 # @@protoc_insertion_point(module_scope)

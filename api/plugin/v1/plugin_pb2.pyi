@@ -69,18 +69,20 @@ class PreFilterResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[PreFilterResponse.Code, str]] = ..., message: _Optional[str] = ..., feasible_nodes: _Optional[_Iterable[str]] = ..., scores: _Optional[_Iterable[int]] = ..., infeasible_message: _Optional[str] = ..., decision_id: _Optional[int] = ..., feasible_total: _Optional[int] = ..., preemptible_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("version", "pod", "node", "decision_id", "hand_over")
+    __slots__ = ("version", "pod", "node", "decision_id", "hand_over", "trial")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     HAND_OVER_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     pod: PodRef
     node: str
     decision_id: int
     hand_over: bool
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., decision_id: _Optional[int] = ..., hand_over: _Optional[bool] = ...) -> None: ...
+    trial: bool
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., decision_id: _Optional[int] = ..., hand_over: _Optional[bool] = ..., trial: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("annotations", "labels")
@@ -105,14 +107,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, annotations: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UnreserveRequest(_message.Message):
-    __slots__ = ("version", "pod", "node")
+    __slots__ = ("version", "pod", "node", "gang_released")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    GANG_RELEASED_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     pod: PodRef
     node: str
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ...) -> None: ...
+    gang_released: bool
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, str]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., node: _Optional[str] = ..., gang_released: _Optional[bool] = ...) -> None: ...
 
 class UnreserveResponse(_message.Message):
     __slots__ = ()

@@ -391,7 +391,12 @@ type ReserveRequest struct {
 	// As PreBindRequest.hand_over: the shim's Bind writes the annotations with the pod's
 	// nodeName in one Binding. The server then claims the node for the pod at once when no pod
 	// it must wait for is allocating there, and answers the annotations: the shim skips PreBind.
-	HandOver      bool `protobuf:"varint,5,opt,name=hand_over,json=handOver,proto3" json:"hand_over,omitempty"`
+	HandOver bool `protobuf:"varint,5,opt,name=hand_over,json=handOver,proto3" json:"hand_over,omitempty"`
+	// kube-scheduler is trying the pod's whole gang (a PodGroup with a gang policy) in one
+	// cycle: it reverts every member's Reserve when that cycle ends and reserves the members
+	// again only when the gang fits. Counted like any reservation while it lasts; never handed
+	// over (hand_over is ignored).
+	Trial         bool `protobuf:"varint,6,opt,name=trial,proto3" json:"trial,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -461,6 +466,13 @@ func (x *ReserveRequest) GetHandOver() bool {
 	return false
 }
 
+func (x *ReserveRequest) GetTrial() bool {
+	if x != nil {
+		return x.Trial
+	}
+	return false
+}
+
 type ReserveResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Errors are gRPC status codes (ABORTED: the node no longer fits). With hand_over, the
@@ -519,10 +531,13 @@ func (x *ReserveResponse) GetLabels() map[string]string {
 }
 
 type UnreserveRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Version       ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
-	Pod           *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
-	Node          string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Version ProtocolVersion        `protobuf:"varint,1,opt,name=version,proto3,enum=tessera.plugin.v1.ProtocolVersion" json:"version,omitempty"`
+	Pod     *PodRef                `protobuf:"bytes,2,opt,name=pod,proto3" json:"pod,omitempty"`
+	Node    string                 `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	// The pod's gang was admitted and this member is released before it was bound: its wait
+	// for the rest of the gang at Permit ran out, or the gang was rejected.
+	GangReleased  bool `protobuf:"varint,4,opt,name=gang_released,json=gangReleased,proto3" json:"gang_released,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -576,6 +591,13 @@ func (x *UnreserveRequest) GetNode() string {
 		return x.Node
 	}
 	return ""
+}
+
+func (x *UnreserveRequest) GetGangReleased() bool {
+	if x != nil {
+		return x.GangReleased
+	}
+	return false
 }
 
 type UnreserveResponse struct {
@@ -1028,14 +1050,15 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x02OK\x10\x01\x12\b\n" +
 	"\x04SKIP\x10\x02\x12\x11\n" +
 	"\rUNSCHEDULABLE\x10\x03\x12\v\n" +
-	"\aINVALID\x10\x04\"\xcd\x01\n" +
+	"\aINVALID\x10\x04\"\xe3\x01\n" +
 	"\x0eReserveRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
 	"\x04node\x18\x03 \x01(\tR\x04node\x12\x1f\n" +
 	"\vdecision_id\x18\x04 \x01(\x04R\n" +
 	"decisionId\x12\x1b\n" +
-	"\thand_over\x18\x05 \x01(\bR\bhandOver\"\xab\x02\n" +
+	"\thand_over\x18\x05 \x01(\bR\bhandOver\x12\x14\n" +
+	"\x05trial\x18\x06 \x01(\bR\x05trial\"\xab\x02\n" +
 	"\x0fReserveResponse\x12U\n" +
 	"\vannotations\x18\x01 \x03(\v23.tessera.plugin.v1.ReserveResponse.AnnotationsEntryR\vannotations\x12F\n" +
 	"\x06labels\x18\x02 \x03(\v2..tessera.plugin.v1.ReserveResponse.LabelsEntryR\x06labels\x1a>\n" +
@@ -1044,11 +1067,12 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x91\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb6\x01\n" +
 	"\x10UnreserveRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
 	"\x03pod\x18\x02 \x01(\v2\x19.tessera.plugin.v1.PodRefR\x03pod\x12\x12\n" +
-	"\x04node\x18\x03 \x01(\tR\x04node\"\x13\n" +
+	"\x04node\x18\x03 \x01(\tR\x04node\x12#\n" +
+	"\rgang_released\x18\x04 \x01(\bR\fgangReleased\"\x13\n" +
 	"\x11UnreserveResponse\"\xac\x01\n" +
 	"\x0ePreBindRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +

@@ -19,8 +19,9 @@ func (p *Plugin) EventsToRegister(_ context.Context) ([]fwk.ClusterEventWithHint
 	}, nil
 }
 
-// isGPUPodChange requeues for changes to other pods that hold Tessera resources, and for the
-// rejected pod's own policy annotations changing (its container requests are immutable).
+// isGPUPodChange requeues for changes to other pods that hold Tessera resources (bound, or
+// deleted), and for the rejected pod's own policy annotations changing (its container requests
+// are immutable).
 func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj interface{}) (fwk.QueueingHint, error) {
 	oldPod, _ := oldObj.(*v1.Pod)
 	newPod, _ := newObj.(*v1.Pod)
@@ -32,6 +33,12 @@ func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj inter
 			if oldPod != nil && newPod != nil && policyChanged(oldPod, newPod) {
 				return fwk.Queue, nil
 			}
+			return fwk.QueueSkip, nil
+		}
+		if oldPod != nil && newPod != nil && oldPod.Spec.NodeName == "" && newPod.Spec.NodeName == "" {
+			// A pending pod's update (kube-scheduler writing why it waits) frees and takes no
+			// GPU: requeueing on it made the members of a gang that does not fit retry one
+			// another in a loop.
 			return fwk.QueueSkip, nil
 		}
 		if p.resources.requested(other) {

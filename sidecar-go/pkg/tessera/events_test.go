@@ -40,7 +40,10 @@ func TestEventsToRegisterCoverNodesAndGPUPods(t *testing.T) {
 	}{
 		{"GPU pod deleted", makePod("gpu").gpu("1").obj(), nil, fwk.Queue},
 		{"CPU pod deleted", makePod("cpu").obj(), nil, fwk.QueueSkip},
-		{"GPU pod updated", makePod("gpu").gpu("1").obj(), makePod("gpu").gpu("1").annotate("hami.io/bind-phase", "success").obj(), fwk.Queue},
+		{"bound GPU pod updated", boundTo(makePod("gpu").gpu("1").obj(), "n1"), boundTo(makePod("gpu").gpu("1").annotate("hami.io/bind-phase", "success").obj(), "n1"), fwk.Queue},
+		{"GPU pod bound", makePod("gpu").gpu("1").obj(), boundTo(makePod("gpu").gpu("1").obj(), "n1"), fwk.Queue},
+		// kube-scheduler writing why another pending GPU pod (a gang member) waits.
+		{"pending GPU pod's status updated", makePod("gpu").gpu("1").obj(), makePod("gpu").gpu("1").annotate("x", "y").obj(), fwk.QueueSkip},
 		{"own policy changed", pending, withMode, fwk.Queue},
 		{"own label changed", pending, makePod("pending").gpu("1").label("a", "b").obj(), fwk.QueueSkip},
 	}
@@ -59,4 +62,9 @@ func TestEventsToRegisterCoverNodesAndGPUPods(t *testing.T) {
 			}
 		})
 	}
+}
+
+func boundTo(pod *v1.Pod, node string) *v1.Pod {
+	pod.Spec.NodeName = node
+	return pod
 }

@@ -209,6 +209,11 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if err != nil {
 		return nil, err
 	}
+	if h != nil && h.ClientSet() != nil {
+		if err := checkGangAPI(h.ClientSet().Discovery()); err != nil {
+			return nil, err
+		}
+	}
 	conn, err := dial(args)
 	if err != nil {
 		return nil, err

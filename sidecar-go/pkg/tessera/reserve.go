@@ -26,6 +26,12 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	if err != nil {
 		return fwk.AsStatus(err)
 	}
+	// An earlier Reserve of this cycle state (a gang's trial, a retried binding) must not
+	// leave its annotations for this one's Bind.
+	state.Delete(bindKey)
+	// In a gang's trial cycle kube-scheduler reverts every member's Reserve when the cycle
+	// ends: counted while it lasts, never handed over.
+	trial := state.IsPodGroupSchedulingCycle()
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanReserve, "Reserve", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
@@ -34,7 +40,8 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 		Pod:        podRef(pod),
 		Node:       nodeName,
 		DecisionId: d.id,
-		HandOver:   p.bindsFirst(ctx),
+		HandOver:   !trial && p.bindsFirst(ctx),
+		Trial:      trial,
 	})
 	if err == nil {
 		if a := resp.GetAnnotations(); len(a) > 0 {
@@ -61,6 +68,7 @@ func (p *Plugin) Unreserve(ctx context.Context, state fwk.CycleState, pod *v1.Po
 	if _, err := readDecision(state); err != nil {
 		return
 	}
+	state.Delete(bindKey)
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanUnreserve, "Unreserve", pod, nodeName)
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
@@ -68,6 +76,8 @@ func (p *Plugin) Unreserve(ctx context.Context, state fwk.CycleState, pod *v1.Po
 		Version: pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
 		Pod:     podRef(pod),
 		Node:    nodeName,
+		// Outside the gang's trial cycle, a member's Unreserve releases an admitted gang.
+		GangReleased: pod.Spec.SchedulingGroup != nil && !state.IsPodGroupSchedulingCycle(),
 	})
 	traced.end(callOutcome(err), err)
 	traced.finish(OutcomeUnreserved)
