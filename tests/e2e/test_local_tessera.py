@@ -231,6 +231,12 @@ def test_examples_end_as_their_files_say(local_up: tuple[Local, KubeClient]) -> 
     pod = _bound(api, "unified-pool")
     assert pod["metadata"]["annotations"][ann.DEVICES_ALLOCATED]
 
+    workers = [_bound(api, f"trainer-{i}") for i in range(2)]
+    assert all(w["metadata"]["annotations"][ann.DEVICES_ALLOCATED] for w in workers)
+    group = api.get("/apis/scheduling.k8s.io/v1alpha2/namespaces/default/podgroups/trainer")
+    conditions = {c["type"]: c["status"] for c in group["status"]["conditions"]}
+    assert conditions["PodGroupScheduled"] == "True", group["status"]
+
     pod = _bound(api, "h200-only")
     types = {g.type for g in _node_gpus(api, pod["spec"]["nodeName"])}
     assert len(types) == 1 and next(iter(types)).endswith("H200"), types

@@ -384,6 +384,13 @@ def test_scheduler_profile_is_the_examples_with_the_pods_socket(default: Rendere
     }
 
 
+def test_gangs_turn_on_the_scheduler_feature_gates(helm_bin: Path, default: Rendered) -> None:
+    gates = "--feature-gates=GenericWorkload=true,GangScheduling=true"
+    assert gates not in default.container(f"{fullname()}-scheduler", "scheduler")["command"]
+    rendered = render(helm_bin, {"scheduler": {"gangs": True}})
+    assert gates in rendered.container(f"{fullname()}-scheduler", "scheduler")["command"]
+
+
 def test_custom_resource_names_reach_the_scheduler_profile(helm_bin: Path) -> None:
     config = (
         "nvidia:\n  resourceCountName: example.com/vgpu\n  resourceCoreName: example.com/cores\n"

@@ -152,6 +152,8 @@ NEEDS: dict[str, list[Access]] = {
         a("watch pods"),
         a("patch pods in default"),  # server/servicer.py: PreBind and Unreserve merge patches
         a("create events in default"),  # server/events.py: TesseraUnschedulable
+        a("list podgroups.scheduling.k8s.io"),  # server/gangs.py: reflector on PodGroups
+        a("watch podgroups.scheduling.k8s.io"),
     ],
     "webhook": [
         a("list nodes"),  # webhook/app.py: reflector on /api/v1/nodes
@@ -390,6 +392,11 @@ def test_rules_granted_are_exactly_the_ones_needed(
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+            {
+                "apiGroups": ["scheduling.k8s.io"],
+                "resources": ["podgroups"],
+                "verbs": ["list", "watch"],
+            },
         ],
         "webhook": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}],
         "node-agent": [

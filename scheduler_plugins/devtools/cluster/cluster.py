@@ -34,6 +34,8 @@ from scheduler_plugins.devtools.cluster.errors import (
 )
 from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
 from scheduler_plugins.devtools.cluster.layout import (
+    GANG_API,
+    GANG_FEATURE_GATES,
     LOOPBACK,
     SERVICE_CIDR,
     SERVICE_IP,
@@ -358,6 +360,10 @@ class Cluster:
             # not-ready taint that TaintNodesByCondition puts on every new node.
             "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
             "--allow-privileged=true",
+            # Gangs: kube-scheduler 1.36's PodGroup API (scheduling.k8s.io/v1alpha2, alpha) and
+            # the pod's spec.schedulingGroup (README "Gangs").
+            f"--feature-gates={GANG_FEATURE_GATES}",
+            f"--runtime-config={GANG_API}=true",
             # /debug/pprof only when asked (diagnosing apiserver load, e.g. in benchmarks).
             f"--profiling={'true' if os.environ.get(PROFILING_ENV) == '1' else 'false'}",
         ]

@@ -22,6 +22,10 @@ DEFAULT_KWOK_PORT: Final = 10247
 LOOPBACK: Final = "127.0.0.1"
 SERVICE_CIDR: Final = "10.96.0.0/16"
 SERVICE_IP: Final = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` service
+# Gangs (README "Gangs"): kube-scheduler 1.36's PodGroup API is alpha; the dev cluster's
+# apiserver serves it and its tessera-scheduler schedules pod groups.
+GANG_FEATURE_GATES: Final = "GenericWorkload=true,GangScheduling=true"
+GANG_API: Final = "scheduling.k8s.io/v1alpha2"
 
 _NAME_RE: Final = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _SETTINGS_FILE: Final = "cluster.json"

@@ -26,7 +26,12 @@ from api.plugin.v1 import plugin_pb2, plugin_pb2_grpc
 from scheduler_plugins.devtools.cluster import processes
 from scheduler_plugins.devtools.cluster.errors import ClusterError
 from scheduler_plugins.devtools.cluster.jaeger import JAEGER, stop_jaeger
-from scheduler_plugins.devtools.cluster.layout import LOOPBACK, ClusterSettings, repo_root
+from scheduler_plugins.devtools.cluster.layout import (
+    GANG_FEATURE_GATES,
+    LOOPBACK,
+    ClusterSettings,
+    repo_root,
+)
 from scheduler_plugins.devtools.cluster.webhook import WEBHOOK, start_webhook, stop_webhook
 
 log = structlog.get_logger(__name__)
@@ -205,6 +210,7 @@ def _argv(
             str(paths.scheduler_config),
             "--secure-port",
             "0",
+            f"--feature-gates={GANG_FEATURE_GATES}",
             "-v",
             "2",
         ]
