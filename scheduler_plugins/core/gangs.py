@@ -37,8 +37,7 @@ def pod_gang(pod: Mapping[str, Any]) -> str | None:
 class _Gang:
     # member pod key -> None when its GPU request fit, else why not (insertion: offer order)
     members: OrderedDict[str, str | None] = field(default_factory=OrderedDict)
-    admitted: bool = False
-    released: bool = False
+    admitted: bool = False  # since kube-scheduler admitted it, no member was let go
 
 
 class GangBook:
@@ -71,16 +70,16 @@ class GangBook:
         """kube-scheduler admitted ``gang`` (its members go on to bind)."""
         g = self._gangs.get(gang)
         if g is not None:
-            g.admitted, g.released = True, False
+            g.admitted = True
 
     def released(self, pod: str) -> str | None:
         """Member ``pod`` of an admitted gang was let go before it was bound: its gang, the
         first time this happens since the gang was admitted; else None."""
         gang = self._gang_of.get(pod)
         g = self._gangs.get(gang) if gang is not None else None
-        if g is None or g.released:
+        if g is None or not g.admitted:
             return None
-        g.released, g.admitted = True, False
+        g.admitted = False
         return gang
 
     def forget(self, gang: str) -> None:

@@ -126,6 +126,7 @@ def test_a_release_counts_once_per_admission() -> None:
     book.offered("ml/train", "ml/w-0", None)
     book.offered("ml/train", "ml/w-1", None)
     assert book.released("ml/unknown") is None
+    assert book.released("ml/w-0") is None  # not admitted (a basic PodGroup, a trial)
     book.admitted("ml/train")
     assert book.released("ml/w-0") == "ml/train"
     assert book.released("ml/w-1") is None  # the same gang, the same admission
