@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -43,6 +42,7 @@ from api.hami.config import DeviceConfig
 from api.hami.devices import DeviceAlloc, MigAllocation
 from api.hami.keys import VGPU_MODE
 from benchmarks.decision_latency import NodeSpec, make_nodes
+from benchmarks.results_io import save_results
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.mig_policy import build_choice_table
 from scheduler_plugins.core.requests import PodAllocation, PodRequest, parse_request
@@ -281,11 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure("console", "warning")  # not a line per unschedulable PreFilter
     tune_allocator()  # as the plugin server runs
     report = run(args.nodes, args.samples, args.seed)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    args.json.with_suffix(".md").write_text(table)
-    sys.stdout.write(table)
+    save_results(args.json, report, markdown(report))
     return 0
 
 
