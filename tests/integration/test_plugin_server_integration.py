@@ -265,6 +265,9 @@ class FlakyKube:
             raise GoneError("GET", path, 410, "Expired", "too old resource version")
         return self.real.watch(path, resource_version, timeout_s=timeout_s)
 
+    def get(self, path: str) -> Any:
+        return self.real.get(path)
+
     def merge_patch(self, path: str, patch: Any, *, resource_version: str | None = None) -> Any:
         return self.real.merge_patch(path, patch, resource_version=resource_version)
 
