@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +51,7 @@ from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from tests.fake_kubelet import FakeKubelet, PluginConnection
 from tests.waiting import eventually as _eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leaked_threads")]
 
 PODS = "/api/v1/namespaces/default/pods"
 MIG_NODE = "it-run-mig"
@@ -72,36 +70,10 @@ def eventually(check: Callable[[], Any], *, timeout_s: float = WAIT_S, what: str
 # Fixtures -------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    # grpc sets a server's shutdown event a moment before its helper threads return.
-    deadline = time.monotonic() + 3.0
-    for t in set(threading.enumerate()) - before:
-        t.join(max(0.0, deadline - time.monotonic()))
-    leaked = [t.name for t in threading.enumerate() if t not in before]
-    assert leaked == []
-
-
 @pytest.fixture
 def api(dev_cluster: ClusterClient) -> Iterator[KubeClient]:
     with KubeClient.from_kubeconfig(dev_cluster.kubeconfig, timeout_s=15) as client:
         yield client
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="na-"))  # short: Unix socket paths max 107 bytes
-    yield d
-    shutil.rmtree(d)
-
-
-@pytest.fixture
-def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
-    k = FakeKubelet(plugin_dir)
-    yield k
-    k.stop()
 
 
 def node_fixture(api: KubeClient, name: str) -> Iterator[str]:

@@ -7,11 +7,8 @@ a new ``kubelet.sock`` appears).
 
 from __future__ import annotations
 
-import shutil
 import socket
 import stat
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -26,6 +23,8 @@ from node_agent.deviceplugin.server import DevicePluginServer
 from node_agent.deviceplugin.types import ContainerAllocation, DeviceSpec, Mount
 from tests.builders import gpu
 from tests.fake_kubelet import WAIT, FakeKubelet
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
 RESOURCE = "nvidia.com/gpu"
 SOCKET = "tessera-gpu.sock"
@@ -64,27 +63,6 @@ class StubHandler:
 
 
 @pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    # Short path: Unix socket paths are limited to 107 bytes.
-    d = Path(tempfile.mkdtemp(prefix="dp-"))
-    yield d
-    shutil.rmtree(d)
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    # grpc sets a server's shutdown event a moment before its own helper threads return
-    # (``_serve``, ``cancel_all_calls_after_grace``): allow finishing, not lingering.
-    deadline = time.monotonic() + 2.0
-    for t in set(threading.enumerate()) - before:
-        t.join(max(0.0, deadline - time.monotonic()))
-    leaked = [t.name for t in threading.enumerate() if t not in before]
-    assert leaked == []
-
-
-@pytest.fixture
 def inventory() -> SlotInventory:
     return SlotInventory([gpu(UUID_A, count=2, numa=0), gpu(UUID_B, index=1, count=2, numa=1)])
 
@@ -92,13 +70,6 @@ def inventory() -> SlotInventory:
 @pytest.fixture
 def handler() -> StubHandler:
     return StubHandler()
-
-
-@pytest.fixture
-def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
-    k = FakeKubelet(plugin_dir)
-    yield k
-    k.stop()
 
 
 @pytest.fixture

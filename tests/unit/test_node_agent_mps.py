@@ -5,11 +5,7 @@ daemons stopped on a node that left mps mode."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,35 +22,13 @@ from tests.fake_kubelet import FakeKubelet, PluginConnection
 from tests.node_agent_fakes import FakeKube, make_pod
 from tests.waiting import eventually
 
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
 NODE = "node-a"
 NODE_PATH = f"/api/v1/nodes/{NODE}"
 A100 = "A100-PCIE-40GB"
 G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
 WAIT_S = 10.0
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 3.0
-    for t in set(threading.enumerate()) - before:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert [t.name for t in threading.enumerate() if t not in before] == []
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="na-"))
-    yield d
-    shutil.rmtree(d)
-
-
-@pytest.fixture
-def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
-    k = FakeKubelet(plugin_dir)
-    yield k
-    k.stop()
 
 
 @dataclass

@@ -8,11 +8,8 @@ teardown after a failed start.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,8 @@ from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from tests.fake_kubelet import FakeKubelet
 from tests.node_agent_fakes import FakeKube
 
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
 NODE = "node-a"
 A100 = "A100-PCIE-40GB"
 CONFIG = DeviceConfig(nodeconfig=(NodeConfig(NODE, "mig"),))
@@ -39,30 +38,6 @@ class DownKube(FakeKube):
 
     def list(self, path: str, *, field_selector: str | None = None) -> dict[str, Any]:
         raise ServerError("GET", path, 503, "ServiceUnavailable", "etcd is down")
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 3.0
-    for t in set(threading.enumerate()) - before:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert [t.name for t in threading.enumerate() if t not in before] == []
-
-
-@pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="na-"))
-    yield d
-    shutil.rmtree(d)
-
-
-@pytest.fixture
-def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
-    k = FakeKubelet(plugin_dir)
-    yield k
-    k.stop()
 
 
 def backend_with_a_stray_instance(state: Path) -> SimulatedNvml:
