@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from api.kube.objects import as_object
 
+PODGROUP_API: Final = "scheduling.k8s.io/v1alpha2"  # kube-scheduler 1.36's PodGroups (alpha)
 DEFAULT_MAX_GANGS: Final = 4096
 _MAX_NAMED: Final = 5  # members named in a summary; the rest are counted
 

@@ -22,12 +22,18 @@ from api.kube.client import Obj
 from api.kube.errors import KubeError, NotFoundError
 from api.kube.objects import as_object
 from api.kube.reflector import DEFAULT_BACKOFF, Backoff, Kube, Reflector
-from scheduler_plugins.core.gangs import GangBook, gang_policy, pod_gang, scheduled_condition
+from scheduler_plugins.core.gangs import (
+    PODGROUP_API,
+    GangBook,
+    gang_policy,
+    pod_gang,
+    scheduled_condition,
+)
 from scheduler_plugins.server.events import EventRecorder, EventTarget
 
 log = structlog.get_logger("tessera.plugin_server.gangs")
 
-GROUP_VERSION: Final = "scheduling.k8s.io/v1alpha2"
+GROUP_VERSION: Final = PODGROUP_API
 PODGROUPS: Final = f"/apis/{GROUP_VERSION}/podgroups"
 
 
@@ -56,8 +62,8 @@ class GangReporter:
         self._metrics = metrics
         self._book = GangBook()
         self._lock = threading.Lock()
-        # PodGroup key -> (minCount or None, last PodGroupScheduled (status, reason) or None)
-        self._groups: dict[str, tuple[int | None, tuple[str, str] | None]] = {}
+        # PodGroup key -> its last PodGroupScheduled (status, reason), None before the first
+        self._conditions: dict[str, tuple[str, str] | None] = {}
         self._reflector = Reflector(
             kube,
             PODGROUPS,
@@ -111,19 +117,19 @@ class GangReporter:
     def _listed(self, items: list[Obj], listed_at: float) -> None:
         # A (re)list is the state as it is, not news: remember it without counting.
         with self._lock:
-            self._groups = {_key(pg): (gang_policy(pg), scheduled_condition(pg)) for pg in items}
+            self._conditions = {_key(pg): scheduled_condition(pg) for pg in items}
 
     def _event(self, typ: str, pg: Obj) -> None:
         key = _key(pg)
         if typ == "DELETED":
             with self._lock:
-                self._groups.pop(key, None)
+                self._conditions.pop(key, None)
                 self._book.forget(key)
             return
         min_count, now = gang_policy(pg), scheduled_condition(pg)
         with self._lock:
-            before = self._groups.get(key, (None, None))[1]
-            self._groups[key] = (min_count, now)
+            before = self._conditions.get(key)
+            self._conditions[key] = now
             if min_count is None or now is None or now == before:
                 return
             status, reason = now

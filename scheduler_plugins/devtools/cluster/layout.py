@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from scheduler_plugins.core.gangs import PODGROUP_API
 from scheduler_plugins.devtools.cluster.errors import ClusterError
 
 DEFAULT_NAME: Final = "tessera"
@@ -25,7 +26,7 @@ SERVICE_IP: Final = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernete
 # Gangs (README "Gangs"): kube-scheduler 1.36's PodGroup API is alpha; the dev cluster's
 # apiserver serves it and its tessera-scheduler schedules pod groups.
 GANG_FEATURE_GATES: Final = "GenericWorkload=true,GangScheduling=true"
-GANG_API: Final = "scheduling.k8s.io/v1alpha2"
+GANG_API: Final = PODGROUP_API
 
 _NAME_RE: Final = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _SETTINGS_FILE: Final = "cluster.json"

@@ -36,9 +36,8 @@ func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj inter
 			return fwk.QueueSkip, nil
 		}
 		if oldPod != nil && newPod != nil && oldPod.Spec.NodeName == "" && newPod.Spec.NodeName == "" {
-			// A pending pod's update (kube-scheduler writing why it waits) frees and takes no
-			// GPU: requeueing on it made the members of a gang that does not fit retry one
-			// another in a loop.
+			// A pending pod's update (kube-scheduler writing why it waits, as it does for
+			// every member of a gang after each attempt) frees and takes no GPU.
 			return fwk.QueueSkip, nil
 		}
 		if p.resources.requested(other) {
