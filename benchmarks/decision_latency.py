@@ -56,6 +56,7 @@ from api.hami import keys as ann
 from api.hami.catalog import GpuModel, find_model
 from api.hami.config import DeviceConfig
 from api.hami.devices import DeviceAlloc, MigAllocation, encode_devices
+from api.hami.policy import Policy
 from api.hami.register import GpuDevice, MigProfile
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.explain import explain
@@ -434,10 +435,14 @@ def run(
     profile: cProfile.Profile | None = None,
     progress: Callable[[ConfigResult], None] | None = None,
     malloc: str = "default",
+    node_policy: Policy | None = None,
 ) -> Report:
-    config = DeviceConfig()
+    config = (
+        DeviceConfig() if node_policy is None else DeviceConfig(default_node_policy=node_policy)
+    )
     machine = _machine()
     machine["malloc"] = malloc
+    machine["node_policy"] = config.default_node_policy.value
     results: list[ConfigResult] = []
     for n in nodes:
         for p in pods:
@@ -543,6 +548,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="keep freed heap memory (glibc mallopt), as a plugin server should",
     )
+    parser.add_argument(
+        "--node-policy",
+        type=lambda v: Policy.parse(v, what="node policy"),
+        default=None,
+        help="the cluster's default node policy (default: the device config's default)",
+    )
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error("--samples must be at least 1")
@@ -563,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile,
         progress,
         malloc,
+        args.node_policy,
     )
     print()
     print(format_table(report))

@@ -4,28 +4,37 @@ Reads a cluster snapshot (Nodes and existing Pods) and a list of pods to place, 
 same core the plugin server runs, and places the pods one after another, each placement
 counting for the next.
 
-A pod that fits nowhere but outranks pods that hold GPUs (``spec.priority``; a
-``priorityClassName`` is not resolved here) gets the pods kube-scheduler's preemption would
-preempt for it, and the node: its DefaultPreemption algorithm over Tessera's what-ifs
-(``core.whatif.select_victims``/``pick_node``). PodDisruptionBudgets are not modelled
-(kube-scheduler tries to spare the pods whose preemption would violate one first, and prefers
-nodes with fewer of them), nor are kube-scheduler's other resources (CPU, memory). The
-preemption is only shown: the victims stay in the simulated cluster, as they do until they
-are gone, and the pod stays unschedulable in this attempt.
+What kube-scheduler decides beside Tessera is modelled for CPU and memory: every pod must fit
+a node's ``status.allocatable`` less what the pods there request (existing and placed before
+it; NodeResourcesFit, ``rules.host_reasons``; a node that shows no allocatable CPU or memory is
+not checked for it). A GPU pod goes to Tessera's choice among the nodes where both its devices
+and its CPU and memory fit. A pod without a GPU request, which Tessera leaves to
+kube-scheduler, goes where kube-scheduler's default scores put it (``core.hostfit``: least
+allocated plus balanced allocation; exact ties to the first name, where kube-scheduler picks
+at random). kube-scheduler's other plugins (taints, affinity, topology spread, ...) are not
+modelled.
+
+A pod that fits nowhere but outranks pods there (``spec.priority``; a ``priorityClassName`` is
+not resolved here) gets the pods kube-scheduler's preemption would preempt for it, and the
+node: its DefaultPreemption algorithm over Tessera's what-ifs and the nodes' CPU and memory
+(``core.whatif.select_victims``/``pick_node``), on the nodes the live scheduler offers it (for
+a GPU pod, those where lower-priority GPU pods are in the way: ``preemptible_nodes``).
+PodDisruptionBudgets are not modelled (kube-scheduler tries to spare the pods whose preemption
+would violate one first, and prefers nodes with fewer of them). The preemption is only shown:
+the victims stay in the simulated cluster, as they do until they are gone, and the pod stays
+unschedulable in this attempt.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
-import numpy as np
-import numpy.typing as npt
 import yaml
 
 from api.errors import InvalidAnnotationError, InvalidInputError, InvalidRequestError
@@ -33,9 +42,11 @@ from api.hami.config import YAML_LOADER, DeviceConfig
 from api.kube.objects import as_object, pod_key
 from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.decide import decide
-from scheduler_plugins.core.explain import explain
+from scheduler_plugins.core.explain import explain, explain_host
+from scheduler_plugins.core.hostfit import place
 from scheduler_plugins.core.nodes import parse_node
 from scheduler_plugins.core.requests import (
+    PodAllocation,
     PodRequest,
     counts_against_capacity,
     parse_allocation,
@@ -136,14 +147,19 @@ def _one_line(text: str) -> str:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A cluster object left out of the simulation, and why (the rest goes on)."""
+    """A cluster object left out of the simulation, and why (the rest goes on); ``kept``: only
+    the part ``reason`` names is left out (a node's GPU pair scores, its allocatable CPU or
+    memory)."""
 
     kind: Literal["Node", "Pod"]
     name: str
     reason: str
+    kept: bool = False
 
     def __str__(self) -> str:
-        return f"{self.kind} {self.name} skipped: {self.reason}"
+        return (
+            f"{self.kind} {self.name} {'read in part' if self.kept else 'skipped'}: {self.reason}"
+        )
 
 
 def start_time(pod: Mapping[str, Any]) -> float:
@@ -178,7 +194,7 @@ def build_cluster(
         except InvalidInputError as e:
             skipped.append(Skipped("Node", name, _bare(e)))
             continue
-        skipped.extend(Skipped("Node", name, w) for w in info.warnings)
+        skipped.extend(Skipped("Node", name, w, kept=True) for w in info.warnings)
         state.upsert_node_info(info)
     unread = {s.name for s in skipped if s.kind == "Node" and s.name not in state.nodes}
 
@@ -237,25 +253,13 @@ class Simulation:
         state = self._state
         for req in self._requests:
             if not req.wants_gpu:
-                yield Result(
-                    req.key,
-                    "Scheduled",
-                    None,
-                    {},
-                    "no GPU request: Tessera leaves the node to kube-scheduler's plugins",
-                )
+                yield self._place_host(req)
                 continue
             decision = decide(state, req)
             node = decision.best_node()
             if node is None:
-                why = explain(decision, state)
-                preempt = self._preemption(req, decision.feasible)
-                if preempt is not None:
-                    why += (
-                        f"; {preempt} (kube-scheduler's preemption; PodDisruptionBudgets not "
-                        "modelled)"
-                    )
-                yield Result(req.key, "Unschedulable", None, {}, why, preempt)
+                nodes = preemptible_nodes(state, req, decision.feasible)
+                yield self._unschedulable(req, explain(decision, state), nodes)
                 continue
             plan = decision.plan_for(node)
             assert plan is not None
@@ -274,13 +278,52 @@ class Simulation:
             )
             yield Result(req.key, "Scheduled", node, bind_annotations(plan), reason)
 
-    def _preemption(self, req: PodRequest, feasible: npt.NDArray[np.bool_]) -> Preempt | None:
+    def _place_host(self, req: PodRequest) -> Result:
+        """A pod without a GPU request, where kube-scheduler's default profile puts it
+        (``hostfit``); its CPU and memory then count on that node."""
+        state = self._state
+        placement = place(state, req.cpu_milli, req.memory_bytes)
+        best = placement.best()
+        if best < 0:  # every node lacks its CPU or memory
+            return self._unschedulable(req, explain_host(placement, state), placement.names)
+        node = placement.names[best]
+        least, balanced = int(placement.least[best]), int(placement.balanced[best])
+        fitting = int(placement.fits.sum())
+        reason = (
+            f"no GPU request: kube-scheduler's scores {least} (NodeResourcesFit, least "
+            f"allocated) + {balanced} (NodeResourcesBalancedAllocation), "
+            f"{fitting}/{len(placement.names)} nodes fit its CPU and memory"
+        )
+        if req.cpu_milli > 0 or req.memory_bytes > 0:
+            state.assume(
+                PodAllocation(
+                    req.key,
+                    node,
+                    (),
+                    (),
+                    req.cpu_milli,
+                    req.memory_bytes,
+                    uid=req.uid,
+                    priority=req.priority,
+                )
+            )
+        return Result(req.key, "Scheduled", node, {}, reason)
+
+    def _unschedulable(self, req: PodRequest, why: str, nodes: Iterable[str]) -> Result:
+        """``req`` fits no node (``why``), with whom preemption would preempt for it on
+        ``nodes`` (those it may try)."""
+        preempt = self._preemption(req, nodes)
+        if preempt is not None:
+            why += f"; {preempt} (kube-scheduler's preemption; PodDisruptionBudgets not modelled)"
+        return Result(req.key, "Unschedulable", None, {}, why, preempt)
+
+    def _preemption(self, req: PodRequest, nodes: Iterable[str]) -> Preempt | None:
         """Whom kube-scheduler's preemption would preempt for ``req``, and where: its choice
-        of victims on every node where preempting could make room, then its choice of node
-        (ties: the first by name)."""
+        of victims on each of ``nodes`` where preempting could make room, then its choice of
+        node (ties: the first by name)."""
         state = self._state
         candidates = []
-        for node in sorted(preemptible_nodes(state, req, feasible)):
+        for node in sorted(nodes):
             pods = [
                 Candidate(a.key, a.priority, self._started.get(a.key, math.inf))
                 for a in state.pods_on(node)

@@ -13,10 +13,13 @@ from api.errors import short_repr
 
 
 class Policy(StrEnum):
-    """Where to put load: binpack takes the highest usage score, spread the lowest."""
+    """Where to put load: binpack takes the highest usage score, spread the lowest (HAMi's
+    two); fragmentation (Tessera's) the node and GPU where the pod strands the least capacity
+    the workload could use (``scheduler_plugins.core.fragmentation``)."""
 
     BINPACK = "binpack"
     SPREAD = "spread"
+    FRAGMENTATION = "fragmentation"
 
     @classmethod
     def parse(cls, name: str, *, what: str = "policy") -> Policy:
@@ -28,8 +31,9 @@ class Policy(StrEnum):
 
     @property
     def sign(self) -> float:
-        """Multiply a usage score by this to get 'higher is better'."""
-        return 1.0 if self is Policy.BINPACK else -1.0
+        """Multiply a usage score by this to get 'higher is better' (fragmentation's score is
+        one already)."""
+        return -1.0 if self is Policy.SPREAD else 1.0
 
 
 class PlacementStrategy(StrEnum):

@@ -253,7 +253,7 @@ class ClusterCache:
                 stripped = {**node, "metadata": {**meta, "annotations": {}}}
                 info = parse_node(stripped)
             for warning in info.warnings:
-                log.warning("node annotation unreadable", node=name, error=warning)
+                log.warning("node data unreadable", node=name, error=warning)
             self._mutating()
             self.state.upsert_node_info(info)
 
@@ -294,6 +294,7 @@ class ClusterCache:
             annotations.get(ann.DEVICES_ALLOCATED),
             annotations.get(ann.MIG_ALLOCATIONS),
             repr([c.get("resources") for c in all_containers(pod)]),
+            repr(spec.get("resources")),  # pod-level requests (``host_requests``)
         )
         # ... and what else the cache reads: an event that changes none of it is skipped.
         preempted = preempted_by_scheduler(pod)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,7 +25,9 @@ import numpy.typing as npt
 
 from api.hami.devices import DeviceAlloc, MigAllocation
 from api.hami.keys import GpuMode
+from api.hami.policy import Policy
 from api.hami.register import GpuDevice, Placement
+from scheduler_plugins.core import fragmentation as frag
 from scheduler_plugins.core import ranking, rules
 from scheduler_plugins.core.mig_policy import smallest_rank
 from scheduler_plugins.core.requests import ContainerRequest, PodAllocation, PodRequest
@@ -110,7 +112,8 @@ class Decision:
     need them) and a node's planned devices (``plan_for``; a scheduling cycle reserves one
     node). Both come from the GPU columns as they were at the decision: until they are
     computed the decision reads the state's live columns; the state tells it before they
-    change, and it keeps a copy of them.
+    change, and it keeps a copy of them. Where the pod requests CPU or memory, a feasible node
+    has them too (``rules.host_reasons``: kube-scheduler's NodeResourcesFit).
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class Decision:
         masks: _Masks,
         reasons: I64 | None = None,
         evaluated: _Evaluated | None = None,
+        host: tuple[B, I64] | None = None,
     ) -> None:
         self.request = request
         self.layout = layout
@@ -133,6 +137,9 @@ class Decision:
         self._state = state
         self._masks = masks
         self._reasons = reasons
+        # [S] the GPUs' verdicts and the CPU/memory reasons (``rules.host_reasons``), when
+        # the pod requests CPU or memory
+        self._host = host
         # Plans by segment, as computed: (plans, row of the segment in them).
         self._plans: dict[int, tuple[list[_ContainerPlan], int]] = {}
         self._evaluated = evaluated  # what the decision evaluated in full already
@@ -147,11 +154,18 @@ class Decision:
         if self._reasons is None:
             assert self._view is not None
             self._reasons = _reasons(
-                self._view, self.layout, self.request, self._masks, self.feasible
+                self._view, self.layout, self.request, self._masks, self.gpus_fit
             )
+            if self._host is not None:
+                self._reasons |= self._host[1]
             if not self.feasible.any():  # no plan will ever be asked for
                 self._view = None
         return self._reasons
+
+    @property
+    def gpus_fit(self) -> B:
+        """[S] where the GPUs fit the pod, whatever the node's CPU and memory."""
+        return self.feasible if self._host is None else self._host[0]
 
     @property
     def desirability(self) -> F64:
@@ -355,11 +369,20 @@ class _Masks:
     blocked: bool
     # topology-aware: GPU pair scores [P, W, W] of each shared path's table, by its mode
     pairs: Mapping[GpuMode, F64] = field(default_factory=dict)
+    # the fragmentation rule's view, where it picks the pod's GPUs (``_fragmentation``)
+    frag: _Frag | None = None
 
 
 def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: bool) -> Decision:
+    fragmentation = _fragmentation_applies(request)
+    policy = request.node_policy
+    if policy is Policy.FRAGMENTATION and not fragmentation:
+        policy = Policy.BINPACK
     preference = ranking.Preference(
-        request.node_policy, rules.node_score_max(state.config.node_score_cpu_memory)
+        policy,
+        frag.NODE_SCORE_MAX
+        if fragmentation
+        else rules.node_score_max(state.config.node_score_cpu_memory),
     )
     masks = _request_masks(
         state,
@@ -370,6 +393,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
     )
     reasons: I64 | None = None
     evaluated: _Evaluated | None = None
+    host: tuple[B, I64] | None = None
     if not layout.names:  # no node registers a GPU
         feasible, score, reasons = np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64)
     else:
@@ -377,7 +401,26 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
         feasible, evaluated = _feasible(
             state, layout, request, masks, owned, score, preference, kept_usage=owned
         )
-    return Decision(request, layout, feasible, score, preference, state, masks, reasons, evaluated)
+        if request.cpu_milli > 0 or request.memory_bytes > 0:  # kube-scheduler's own fit
+            bits = rules.host_reasons(
+                rules.HostAmounts(state.node_cpu_alloc, state.node_mem_alloc),
+                rules.HostAmounts(state.node_cpu_req, state.node_mem_req),
+                request.cpu_milli,
+                request.memory_bytes,
+                at=layout.node_idx,
+            )
+            host = (feasible, bits)
+            feasible = feasible & (bits == 0)
+        if fragmentation and layout.n_rows:
+            ctx = _Frag.of(state, layout, request)
+            if not request.gpu_policy_named:  # its devices by the rule too
+                masks = replace(masks, frag=ctx)
+            score, evaluated = _fragmentation_scores(
+                state, layout, request, masks, ctx, feasible, owned
+            )
+    return Decision(
+        request, layout, feasible, score, preference, state, masks, reasons, evaluated, host
+    )
 
 
 def feasible_on(
@@ -391,7 +434,9 @@ def feasible_on(
 ) -> tuple[B, I64 | None]:
     """What ``decide`` finds feasible on every node of ``layout``, a layout of ``src``'s rows
     other than the state's own (a what-if's copy of some nodes), and with ``reasons`` the
-    ``Reason`` bits of the nodes that do not fit, as ``Decision.reasons`` has them.
+    ``Reason`` bits of the nodes that do not fit, as ``Decision.reasons`` has them. On the
+    GPUs alone: in a preemption's dry run kube-scheduler's NodeResourcesFit weighs CPU and
+    memory itself, with its victims gone.
     ``state``: the state those nodes are of (their GPU pair scores); ``uuid_rows``: the rows
     of each GPU UUID in ``src``."""
     masks = _copy_masks(src, state, layout, request, uuid_rows)
@@ -617,6 +662,7 @@ def _paths(
                     memo=memo,
                     full=table,
                     why=why,
+                    segs=segs,
                 )
             )
     return paths
@@ -947,8 +993,11 @@ class _Path:
         full: PathTable | None = None,
         usage: tuple[F64, F64, F64, I64] | None = None,
         why: bool = False,
+        segs: I64 | None = None,
     ) -> None:
         g = src.gpus
+        # the segment of each table row (a sub-table's rows are positions in ``segs``)
+        self.segments = table.nodes if segs is None else segs[table.nodes]
         self.why = why
         policy = request.gpu_policy
         self.weights = None if request.weights.default else request.weights
@@ -961,6 +1010,7 @@ class _Path:
         pairs = masks.pairs.get(mode) if policy.topology_aware and not mig else None
         if pairs is not None:
             self.pairs = pairs if isinstance(table, PathTable) else pairs[table.sel]
+        self.frag = None if mig else masks.frag
         self.src = src
         self.table = table
         self.full = full  # the table ``table`` is some rows of; None: ``table`` is full
@@ -1134,6 +1184,10 @@ class _Path:
         cols = self._core_columns(pos)
         work = pos is None and self.ok.size > _SMALL
         fit, req_mem, why = self._core_fit(c, cols, work=work)
+        if self.frag is not None:  # one container, evaluated whole: no earlier devices
+            assert pos is None
+            desir = self.frag.desirability(self.segments, self.table.ok, cols, fit, req_mem, c)
+            return fit, desir, why
         out = self._score_out(fit.shape) if work else None
         desir = rules.gpu_score(
             cols.cap, cols.used, req_mem, float(c.cores), out, weights=self.weights
@@ -1635,6 +1689,198 @@ def _too_few_gpus(layout: Layout, request: PodRequest) -> B:
     if not layout.n_rows or need <= 1:
         return np.zeros(len(layout.names), np.bool_)
     return np.asarray(layout.gpu_count < need, np.bool_)
+
+
+# ----- the fragmentation policy --------------------------------------------------------------
+
+
+def _fragmentation_applies(request: PodRequest) -> bool:
+    """Whether the fragmentation rule ranks nodes for ``request``: it asks for it (its node
+    policy) and is a CPU-only pod or one container of shared (hami-core, MPS) devices without
+    NUMA binding or topology awareness. Any other pod (MIG, several containers) goes by
+    binpack under that policy."""
+    if not request.fragmentation or len(request.containers) > 1:
+        return False
+    if not request.containers:
+        return True
+    offered = rules.modes(request.modes)
+    return (
+        any(m in offered for m in rules.SHARED_MODES)
+        and not request.numa_bind
+        and not request.gpu_policy.topology_aware
+    )
+
+
+@dataclass(frozen=True)
+class _Frag:
+    """The fragmentation rule's view of one decision (``core.fragmentation``): the workload
+    the cluster holds, each segment's CPU and memory left (inf where its allocatable is
+    unknown), and the pod's shape."""
+
+    mix: frag.TaskMix
+    cpu_left: F64  # [S]
+    mem_left: F64  # [S]
+    shape: frag.Shape
+
+    @staticmethod
+    def of(state: ClusterState, layout: Layout, request: PodRequest) -> _Frag:
+        at = layout.node_idx
+        cpu_alloc, mem_alloc = state.node_cpu_alloc[at], state.node_mem_alloc[at]
+        cpu_left = np.where(cpu_alloc > 0, cpu_alloc - state.node_cpu_req[at], np.inf)
+        mem_left = np.where(mem_alloc > 0, mem_alloc - state.node_mem_req[at], np.inf)
+        c = request.containers[0] if request.containers else None
+        shape = frag.pod_shape(
+            request.cpu_milli,
+            request.memory_bytes,
+            c.count if c is not None else 0,
+            max(c.cores / 100, c.mem_percent / 100) if c is not None else 0.0,
+        )
+        return _Frag(state.task_mix(), cpu_left, mem_left, shape)
+
+    @staticmethod
+    def free(ok: B, cols: _Columns) -> F64:
+        """Each GPU's free share (``fragmentation.free_share``), NaN where ``ok`` is not."""
+        cap, _, used = cols
+        share = frag.free_share(cap.slots, used.slots, cap.cores, used.cores, cap.mem, used.mem)
+        return np.where(ok, share, np.nan)
+
+    @staticmethod
+    def take(cols: _Columns, req_mem: F64 | float, c: ContainerRequest) -> F64:
+        """The share of each GPU one device of ``c`` takes: the larger of its cores and memory
+        shares; all of it when it asks every core."""
+        cap = cols.cap
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.maximum(c.cores / cap.cores, np.asarray(req_mem) / cap.mem)
+        out: F64 = np.where(c.cores >= cap.cores, 1.0, np.minimum(np.nan_to_num(share), 1.0))
+        return out
+
+    def desirability(
+        self,
+        segments: I64,
+        ok: B,
+        cols: _Columns,
+        fit: B,
+        req_mem: F64 | float,
+        c: ContainerRequest,
+    ) -> F64:
+        """Per table position, how good a GPU is for one device of ``c`` (higher is better):
+        minus what it does to the node's fragmentation for one device; the least free share
+        first for several (``fragmentation.placement_delta``'s choice). ``ok``: the table's
+        GPUs (all of them count for the workload); ``fit``: those that can take the device."""
+        free = self.free(ok, cols)
+        if c.count == 1:
+            d = frag.device_deltas(
+                free,
+                self.cpu_left[segments],
+                self.mem_left[segments],
+                self.mix,
+                self.shape,
+                fit,
+                self.take(cols, req_mem, c),
+            )
+            return -d
+        out: F64 = np.where(fit, -np.nan_to_num(free, nan=0.0), -np.inf)
+        return out
+
+
+def _fragmentation_scores(
+    state: ClusterState,
+    layout: Layout,
+    request: PodRequest,
+    masks: _Masks,
+    ctx: _Frag,
+    feasible: B,
+    owned: bool,
+) -> tuple[F64, _Evaluated | None]:
+    """[S] the fragmentation policy's node score (``fragmentation.node_score`` of what the
+    pod does to the node's fragmentation; 0 where not feasible). A node's
+    fragmentation counts its healthy GPUs of each shared path (hami-core, MPS) apart, the
+    pod's delta is the best path's. A one-device pod's delta is its best GPU's
+    (``fragmentation.node_deltas``); a pod of several devices is planned on every feasible
+    node and its devices' delta counted (the plans are returned for the decision to keep)."""
+    S = len(layout.names)
+    score = np.zeros(S)
+    segs = np.flatnonzero(feasible)
+    if not segs.size:
+        return score, None
+    W = layout.gpu_rows.shape[0]
+    pod = ctx.shape
+    c = request.containers[0] if request.containers else None
+    delta = np.full(S, np.inf)
+    free_all = np.full((S, W), np.nan)
+    evaluated: _Evaluated | None = None
+    plans: list[_ContainerPlan] = []
+    at = np.full(S, -1, np.int64)
+    if c is not None and c.count > 1:
+        _, plans = _evaluate(state, layout, request, masks, segs, owned)
+        evaluated = _Evaluated(segs, plans)
+        at[segs] = np.arange(segs.size)
+    for mode, table in layout.tables():
+        if mode not in rules.SHARED_MODES or table is None or not table.nodes.size:
+            continue
+        path = _Path(state, table, masks, request, mode=mode, scratch=Scratch(), memo=None)
+        cols = path._core_columns(None)
+        free = _Frag.free(table.ok, cols)
+        free_all[table.nodes] = np.where(table.ok, free, free_all[table.nodes])
+        rows = np.flatnonzero(feasible[table.nodes])
+        if not rows.size:
+            continue
+        kept = _kept_parts(state, table, free, ctx.mix, owned)
+        here = frag.Parts(kept.total[rows], kept.small[rows], kept.room[rows])
+        nodes = table.nodes[rows]
+        cpu, mem = ctx.cpu_left[nodes], ctx.mem_left[nodes]
+        before = frag.fragmentation(free[rows], cpu, mem, ctx.mix, here)
+        if c is None:  # only the CPU and memory change
+            cpu_after, mem_after = cpu - pod.cpu_milli, mem - pod.memory_bytes
+            d = frag.fragmentation(free[rows], cpu_after, mem_after, ctx.mix, here) - before
+        else:
+            fit, req_mem, _ = path._core_fit(c, cols, work=False)
+            take = _Frag.take(cols, req_mem, c)
+            if c.count == 1:
+                d = frag.node_deltas(
+                    free[rows], cpu, mem, ctx.mix, pod, fit[rows], take[rows], here
+                ).delta
+            else:  # the planned devices' columns on each of these nodes
+                chosen = plans[0].rows[at[nodes]]
+                column = np.where(chosen >= 0, chosen - layout.starts[nodes][:, None], 0)
+                mine = np.take_along_axis(table.idx[rows], column, axis=1) == chosen
+                r = np.arange(rows.size)[:, None]
+                after = free[rows].copy()
+                after[r, column] -= np.where(mine & (chosen >= 0), take[rows][r, column], 0.0)
+                cpu_after, mem_after = cpu - pod.cpu_milli, mem - pod.memory_bytes
+                d = frag.fragmentation(after, cpu_after, mem_after, ctx.mix) - before
+        delta[nodes] = np.minimum(delta[nodes], d)
+    delta = np.where(np.isfinite(delta), delta, 0.0)  # a node without shared GPUs: nothing
+    score[segs] = frag.node_score(delta[segs], free_all[segs])
+    return score, evaluated
+
+
+def _kept_parts(
+    state: ClusterState, table: PathTable, free: F64, mix: frag.TaskMix, owned: bool
+) -> frag.Parts:
+    """``fragmentation.parts`` of every row of ``table`` (``free``: its GPUs' free shares now),
+    kept with the table for the workload ``mix`` and refreshed only in the rows whose GPUs
+    pods changed since (they depend on nothing else): most of what the rule costs otherwise.
+    Call while owning the table's scratch (else they are computed, not kept)."""
+    if not owned:
+        return frag.parts(free, mix)
+    memo = table.scratch.memo
+    clock = state.usage_clock
+    kept: tuple[frag.TaskMix, int, frag.Parts] | None = memo.get("frag_parts")
+    if kept is not None and kept[0] is mix:
+        changed = state.usage_changes_since(kept[1])
+        if changed is not None and len(changed) * 8 < table.idx.size:
+            p = kept[2]
+            pos = table.pos[changed] if changed else table.pos[:0]
+            rows = np.unique(pos[pos >= 0] // table.idx.shape[1])
+            if rows.size:
+                fresh = frag.parts(free[rows], mix)
+                p.total[rows], p.small[rows], p.room[rows] = fresh
+            memo["frag_parts"] = (mix, clock, p)
+            return p
+    p = frag.parts(free, mix)
+    memo["frag_parts"] = (mix, clock, p)
+    return p
 
 
 def _node_scores(state: ClusterState, layout: Layout) -> F64:

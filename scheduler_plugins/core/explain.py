@@ -1,4 +1,5 @@
-"""Why a pod cannot be placed: one message grouping nodes by class and reason.
+"""Why a pod cannot be placed: one message grouping nodes by class and reason (for a pod Tessera
+does not place, kube-scheduler's reasons: ``explain_host``).
 
 A node class is the node's GPU inventory (count × type, mode). For MIG fragmentation the
 message lists the free slice intervals of the affected GPUs, so an operator can see that
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_plugins.core.decide import Decision
+from scheduler_plugins.core.hostfit import HostPlacement
 from scheduler_plugins.core.rules import Reason, reason_names
 from scheduler_plugins.core.state import ClusterState, Layout
 
@@ -60,6 +62,22 @@ def explain(decision: Decision, state: ClusterState) -> str:
     ]
     feasible = decision.feasible_count()
     head = f"{feasible}/{total} nodes are available"
+    return head + (": " + "; ".join(clauses) if clauses else "")
+
+
+def explain_host(placement: HostPlacement, state: ClusterState) -> str:
+    """``explain``'s message for a pod Tessera does not place, from kube-scheduler's verdicts
+    on its CPU and memory (``hostfit.place``): '0/N nodes are available: …'."""
+    names: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for i in np.flatnonzero(~placement.fits).tolist():
+        node = placement.names[i]
+        names[(node_class(state, node), int(placement.reasons[i]))].append(node)
+    groups = sorted(names.items(), key=lambda g: (-len(g[1]), g[0][0], g[0][1]))
+    clauses = [
+        _clause(state, cls, bits, len(nodes), sorted(nodes)[:_MAX_NODES_LISTED])
+        for (cls, bits), nodes in groups
+    ]
+    head = f"{int(np.count_nonzero(placement.fits))}/{len(placement.names)} nodes are available"
     return head + (": " + "; ".join(clauses) if clauses else "")
 
 

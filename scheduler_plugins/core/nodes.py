@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.errors import InvalidAnnotationError
+from api.errors import InvalidAnnotationError, short_repr
 from api.hami.keys import DEVICE_CORDON, NODE_PAIR_SCORES, NODE_REGISTER
 from api.hami.nodes import PairScores, decode_cordon, decode_pair_scores
 from api.hami.register import GpuDevice, decode
@@ -29,19 +29,31 @@ class NodeInfo:
 def parse_node(node: Mapping[str, Any]) -> NodeInfo:
     """Raises InvalidAnnotationError if the register annotation is malformed; malformed pair
     scores only lose topology-aware placement on the node (a warning): HAMi would drop the
-    node's GPUs altogether."""
+    node's GPUs altogether. An allocatable CPU or memory that is unreadable or negative counts
+    as 0, unknown (a warning): pods' requests of it are not checked on the node."""
     meta = as_object(node.get("metadata"))
     name = str(meta.get("name", ""))
     annotations = annotations_of(node)
     raw = annotations.get(NODE_REGISTER)
     devices = decode(raw, obj=f"node {name}") if raw else ()
-    alloc = as_object(as_object(node.get("status")).get("allocatable"))
-    try:
-        cpu = int(parse_quantity(alloc["cpu"]) * 1000) if "cpu" in alloc else 0
-        mem = int(parse_quantity(alloc["memory"])) if "memory" in alloc else 0
-    except ValueError:
-        cpu, mem = 0, 0
     warnings: list[str] = []
+    alloc = as_object(as_object(node.get("status")).get("allocatable"))
+    amounts = [0, 0]
+    for i, (resource, scale) in enumerate((("cpu", 1000), ("memory", 1))):
+        if resource not in alloc:
+            continue
+        try:
+            q = parse_quantity(alloc[resource])
+            if q < 0:
+                raise ValueError(f"quantity {short_repr(alloc[resource])} is negative")
+        except ValueError as e:
+            warnings.append(
+                f"status.allocatable.{resource}: {e}; pods' {resource} requests are not "
+                "checked on this node"
+            )
+            continue
+        amounts[i] = int(q * scale)
+    cpu, mem = amounts
     pair_scores: PairScores = {}
     scores_raw = annotations.get(NODE_PAIR_SCORES)
     if scores_raw:

@@ -8,6 +8,10 @@ benchmarks share.
   ``100 × (1 − score / max)``, rounded. Never stretched per cycle: a node's score depends on
   that node alone, so it sums honestly with kube-scheduler's other score plugins (the profile
   weighs Tessera ``SCORE_WEIGHT``).
+- Under the fragmentation policy the node score is that policy's own
+  (``fragmentation.node_score``: what placing the pod does to the node's fragmentation, and
+  how full the node is), higher is better: the desirability is the score, Tessera's score
+  ``100 × score / max``, rounded down.
 - *Order*: Tessera's score, then the desirability (finer than the rounded score), then the
   node name. ``best`` is the first; kube-scheduler, given the same scores, takes a node of the
   top score (exact ties at random) unless its other plugins prefer another.
@@ -61,6 +65,8 @@ class Preference:
     def kube_scores(self, score: F64) -> I64:
         """Tessera's 0..100 score of each node."""
         share = np.clip(score / self.score_max, 0.0, 1.0)
+        if self.policy is Policy.FRAGMENTATION:  # higher is better already
+            return np.floor(share * MAX_SCORE).astype(np.int64)
         if self.policy is Policy.SPREAD:
             share = 1.0 - share
         return np.rint(share * MAX_SCORE).astype(np.int64)
@@ -98,10 +104,15 @@ def candidates(
 ) -> I64:
     """The nodes of ``segments`` to offer, best first: all of them when ``limit`` is 0, else at
     most ``limit`` among those with the fewest ``waits`` (per segment: the pods the pod would
-    wait behind at PreBind; None: none anywhere)."""
+    wait behind at PreBind; None: none anywhere). Under the fragmentation policy a limit
+    offers the best node alone: kube-scheduler's own scores (LeastAllocated spreads) would
+    otherwise choose among nodes of equal Tessera score, which that policy orders by the
+    fraction rounding takes away."""
     ranked = order(segments, score, pref, name_rank)
     if not limit:
         return ranked
+    if pref.policy is Policy.FRAGMENTATION:
+        limit = 1
     if waits is not None and ranked.size:
         w = waits[ranked]
         ranked = ranked[w == w.min()]

@@ -3,11 +3,13 @@
 Input is the plain JSON/YAML form of a Kubernetes Pod (a dict); nothing here talks to the
 API. ``parse_request`` reads what a pod asks for (container limits, falling back to
 requests, plus the user annotations); ``parse_allocation`` reads what the scheduler
-recorded for a bound pod.
+recorded for a bound pod. Both read the pod's CPU and memory as kube-scheduler counts them
+(``host_requests``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -69,6 +71,14 @@ class PodRequest:
     memory_bytes: int
     # ``spec.priority``: only pods of a strictly lower one may be preempted for this pod.
     priority: int = 0
+    # The pod names its GPU policy (``hami.io/gpu-scheduler-policy``): under the fragmentation
+    # node policy its devices still go by that policy's GPU order.
+    gpu_policy_named: bool = False
+
+    @property
+    def fragmentation(self) -> bool:
+        """Node and GPUs chosen by the fragmentation rule (``core.fragmentation``)."""
+        return self.node_policy is Policy.FRAGMENTATION
 
     @property
     def wants_gpu(self) -> bool:
@@ -86,6 +96,81 @@ def _resource(container: Mapping[str, Any], name: str) -> object | None:
         if name in values:
             return cast("object", values[name])
     return None
+
+
+def host_requests(pod: Mapping[str, Any], *, strict: bool) -> tuple[int, int]:
+    """The CPU (millicores) and memory (bytes) ``pod`` requests, as kube-scheduler counts them
+    (``PodRequests``, Kubernetes 1.36): its containers' requests plus its sidecars' (init
+    containers with ``restartPolicy: Always``), or, where more, the most an init container
+    needs while it runs (its own request plus the sidecars started before it); pod-level
+    ``spec.resources`` replace that sum; ``spec.overhead`` is added. A request that is not
+    stated is its limit's (the API server defaults one to the other), else 0.
+
+    ``strict``: an unreadable or negative quantity raises ``InvalidRequestError`` naming where
+    it is (a pod to place); otherwise it counts as 0 (a pod the API server admitted).
+    """
+    key = pod_key(pod)
+    spec = as_object(pod.get("spec"))
+
+    def read(resources: object, where: str) -> tuple[int, int]:
+        values = as_object(resources)
+        out = [0, 0]
+        for i, (name, scale) in enumerate((("cpu", 1000), ("memory", 1))):
+            raw = _requested(values, name)
+            if raw is None:
+                continue
+            try:
+                q = parse_quantity(raw)
+                if q < 0:
+                    raise ValueError(f"{name} {short_repr(raw)} is negative")
+            except ValueError as e:
+                if strict:
+                    raise InvalidRequestError(key, f"{where}: {e}") from None
+                continue
+            out[i] = math.ceil(q * scale)  # kube's MilliValue/Value round up
+        return out[0], out[1]
+
+    def container(c: Mapping[str, Any], i: int) -> tuple[int, int]:
+        return read(c.get("resources"), f"container {short_repr(str(c.get('name', i)))}")
+
+    cpu, mem = 0, 0
+    for i, c in enumerate(_listed(spec, "containers")):
+        c_cpu, c_mem = container(c, i)
+        cpu, mem = cpu + c_cpu, mem + c_mem
+    sidecar_cpu = sidecar_mem = init_cpu = init_mem = 0
+    for i, c in enumerate(_listed(spec, "initContainers")):
+        c_cpu, c_mem = container(c, i)
+        if c.get("restartPolicy") == "Always":  # a sidecar: runs beside what starts after it
+            cpu, mem = cpu + c_cpu, mem + c_mem
+            sidecar_cpu, sidecar_mem = sidecar_cpu + c_cpu, sidecar_mem + c_mem
+            c_cpu, c_mem = sidecar_cpu, sidecar_mem
+        else:
+            c_cpu, c_mem = c_cpu + sidecar_cpu, c_mem + sidecar_mem
+        init_cpu, init_mem = max(init_cpu, c_cpu), max(init_mem, c_mem)
+    cpu, mem = max(cpu, init_cpu), max(mem, init_mem)
+    pod_level = as_object(spec.get("resources"))
+    if pod_level:
+        level_cpu, level_mem = read(pod_level, "spec.resources")
+        if _requested(as_object(pod_level), "cpu") is not None:
+            cpu = level_cpu
+        if _requested(as_object(pod_level), "memory") is not None:
+            mem = level_mem
+    overhead_cpu, overhead_mem = read({"requests": spec.get("overhead")}, "spec.overhead")
+    return cpu + overhead_cpu, mem + overhead_mem
+
+
+def _requested(resources: Mapping[str, Any], name: str) -> object | None:
+    """A resource's request in ``resources`` (``requests``/``limits``), else its limit."""
+    for section in ("requests", "limits"):
+        values = as_object(resources.get(section))
+        if name in values:
+            return cast("object", values[name])
+    return None
+
+
+def _listed(spec: Mapping[str, Any], field_name: str) -> list[dict[str, Any]]:
+    items = spec.get(field_name)
+    return [as_object(c) for c in items] if isinstance(items, list) else []
 
 
 def _int_resource(key: str, cname: str, name: str, raw: object, lo: int, hi: int) -> int:
@@ -119,23 +204,13 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
     annotations = annotations_of(pod)
     containers = all_containers(pod)
     requests: list[ContainerRequest] = []
-    cpu_milli = 0
-    memory_bytes = 0
+    cpu_milli, memory_bytes = host_requests(pod, strict=True)
     for i, c in enumerate(containers):
         cname = str(c.get("name", i))
         count_raw = _resource(c, config.resource_count_name)
         mem_raw = _resource(c, config.resource_memory_name)
         pct_raw = _resource(c, config.resource_memory_percentage_name)
         cores_raw = _resource(c, config.resource_core_name)
-        cpu_raw = _resource(c, "cpu")
-        memq_raw = _resource(c, "memory")
-        try:
-            if cpu_raw is not None:
-                cpu_milli += int(parse_quantity(cpu_raw) * 1000)
-            if memq_raw is not None:
-                memory_bytes += int(parse_quantity(memq_raw))
-        except ValueError as e:
-            raise InvalidRequestError(key, f"container {short_repr(cname)}: {e}") from None
         if count_raw is None and mem_raw is None and pct_raw is None and cores_raw is None:
             continue
         count = (
@@ -233,6 +308,7 @@ def parse_request(pod: Mapping[str, Any], config: DeviceConfig) -> PodRequest:
         modes=modes,
         node_policy=node_policy,
         gpu_policy=gpu_policy,
+        gpu_policy_named=bool(annotations.get(ann.GPU_POLICY, "").strip()),
         numa_bind=numa_bind,
         weights=weights,
         use_types=_csv(annotations.get(ann.USE_GPUTYPE)),
@@ -300,16 +376,8 @@ def parse_allocation(pod: Mapping[str, Any]) -> PodAllocation | None:
         for di, d in enumerate(container)
         if (ci, di) not in mig_slots
     )
-    cpu_milli = 0
-    memory_bytes = 0
-    for c in all_containers(pod):
-        try:
-            cpu = _resource(c, "cpu")
-            mem = _resource(c, "memory")
-            cpu_milli += int(parse_quantity(cpu) * 1000) if cpu is not None else 0
-            memory_bytes += int(parse_quantity(mem)) if mem is not None else 0
-        except ValueError:
-            continue  # the API server validated these; a bad one only skips CPU/memory terms
+    # The API server validated these; a bad one only counts 0.
+    cpu_milli, memory_bytes = host_requests(pod, strict=False)
     if not shared and not mig and not cpu_milli and not memory_bytes:
         return None
     written = annotations.get(ann.DEVICES_ALLOCATED, "")

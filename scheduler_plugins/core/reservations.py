@@ -45,7 +45,7 @@ from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.explain import explain, node_reasons, rejection_reasons
 from scheduler_plugins.core.requests import PodAllocation, PodRequest
 from scheduler_plugins.core.rules import reason_names
-from scheduler_plugins.core.whatif import WhatIf, preemptible_nodes, what_if
+from scheduler_plugins.core.whatif import WhatIf, host_preemptible, preemptible_nodes, what_if
 
 log = structlog.get_logger("tessera.plugin_server")
 
@@ -271,6 +271,11 @@ class Reservations:
             # With some nodes feasible too: kube-scheduler's other plugins may reject them all.
             leaving = self._cache.leaving()
             preemptible = preemptible_nodes(self._cache.state, req, decision.feasible, leaving)
+            if not names:  # nodes only CPU or memory refuse: kube-scheduler's dry run decides
+                more = host_preemptible(
+                    self._cache.state, req, decision.gpus_fit, decision.feasible
+                )
+                preemptible += [n for n in more if n not in set(preemptible)]
             if nominated and any(a.key in leaving for a in self._cache.state.pods_on(nominated)):
                 # The pods preempted for it on its nominated node are still leaving here, while
                 # kube-scheduler may have seen them gone already (and so would preempt again

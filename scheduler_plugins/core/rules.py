@@ -7,7 +7,9 @@
   ``mig_checks`` for MIG): every condition with the reason it stands for, so the verdict and
   its explanation come from the same lines;
 - the GPU score (``gpu_score``) and the node score (``node_score``), the seed's formulas;
-- the memory a device asks of a GPU (``request_memory``).
+- the memory a device asks of a GPU (``request_memory``);
+- when a node has the CPU and memory a pod requests (``host_reasons``): kube-scheduler's
+  NodeResourcesFit, which Tessera's verdicts include so that they are kube-scheduler's too.
 
 The MIG profile and placement a device takes is ``mig_policy``'s rule (the choice table);
 how nodes are ranked and scored for kube-scheduler is ``ranking``'s. Every function works on
@@ -55,6 +57,8 @@ class Reason(IntFlag):
     MIG_LEGACY = 1 << 17
     MUTEX = 1 << 18
     NUMA = 1 << 19
+    HOST_CPU = 1 << 20
+    HOST_MEMORY = 1 << 21
 
 
 REASON_TEXT: Final[dict[Reason, str]] = {
@@ -80,6 +84,9 @@ REASON_TEXT: Final[dict[Reason, str]] = {
     ),
     Reason.MUTEX: "mutex: GPU in use",
     Reason.NUMA: "numa-bind: no single NUMA node has enough fitting GPUs",
+    # kube-scheduler's NodeResourcesFit words them "Insufficient cpu", "Insufficient memory".
+    Reason.HOST_CPU: "insufficient cpu",
+    Reason.HOST_MEMORY: "insufficient memory",
 }
 
 
@@ -279,6 +286,52 @@ def fold(checks: Iterator[Check], ok: B, *, fit: B | None = None, why: I64 | Non
     return fit
 
 
+# ----- a node's CPU and memory --------------------------------------------------------------
+
+
+class HostAmounts(NamedTuple):
+    """CPU (millicores) and memory (bytes) per node: what nodes have allocatable, or what the
+    pods on them request."""
+
+    cpu: F64
+    memory: F64
+
+
+def host_reasons(
+    allocatable: HostAmounts,
+    requested: HostAmounts,
+    cpu_milli: int,
+    memory_bytes: int,
+    *,
+    at: I64 | None = None,
+) -> I64:
+    """Per node, ``HOST_CPU``/``HOST_MEMORY`` where a pod requesting ``cpu_milli`` and
+    ``memory_bytes`` does not fit what the node has allocatable less what the pods there
+    request (``requested``), 0 where it fits: kube-scheduler's NodeResourcesFit for CPU and
+    memory, to the unit ("Insufficient cpu" where the request exceeds what is left).
+
+    As kube-scheduler, a resource the pod does not request is not checked (it fits a node
+    already overcommitted). Unlike it, a node whose allocatable CPU (or memory) is 0 is not
+    checked for it either: 0 is what the state holds when the Node shows none or it could not
+    be read (and on the tests' and benchmarks' nodes), so it stands for "unknown", never for
+    "full". ``at``: only these entries of the inputs (computed over all of them, then taken:
+    one gather instead of one per column, as ``node_score``). A vector compare, no loop.
+    """
+    bits: I64 | None = None
+    for asked, have, used, reason in (
+        (cpu_milli, allocatable.cpu, requested.cpu, Reason.HOST_CPU),
+        (memory_bytes, allocatable.memory, requested.memory, Reason.HOST_MEMORY),
+    ):
+        if asked <= 0:
+            continue
+        short = np.subtract(have, used) < asked
+        short &= have > 0
+        bits = _bits(short, reason) if bits is None else bits | _bits(short, reason)
+    if bits is None:
+        bits = np.zeros(allocatable.cpu.shape, np.int64)
+    return bits if at is None else bits[at]
+
+
 # ----- scores --------------------------------------------------------------------------------
 
 GPU_SCORE_MAX: Final = 30.0
@@ -379,10 +432,12 @@ __all__ = [
     "SHARED_MODES",
     "Amounts",
     "Check",
+    "HostAmounts",
     "Reason",
     "core_checks",
     "fold",
     "gpu_score",
+    "host_reasons",
     "mig_checks",
     "modes",
     "node_score",

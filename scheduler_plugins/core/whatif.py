@@ -18,10 +18,14 @@ never copied and never changed.
   so a larger profile may fit where small instances blocked every legal placement.
 - ``select_victims``/``pick_node``: kube-scheduler's ``SelectVictimsOnNode`` and
   ``pickOneNodeForPreemption`` (DefaultPreemption, Kubernetes 1.36) over these what-ifs, for
-  ``tessera simulate``. PodDisruptionBudgets are not modelled (kube-scheduler tries to reprieve
-  the victims that would violate one first, and prefers nodes with fewer such victims), nor
-  are kube-scheduler's own resources (CPU, memory, pods): only pods holding GPUs free anything
-  here.
+  ``tessera simulate``: a pod fits once its victims are gone where the what-if finds room on
+  the GPUs and NodeResourcesFit on the node's CPU and memory (``rules.host_reasons``, the
+  victims' requests gone), as in kube-scheduler's dry run. PodDisruptionBudgets are not
+  modelled (kube-scheduler tries to reprieve the victims that would violate one first, and
+  prefers nodes with fewer such victims), nor is the node's pod count.
+
+The what-ifs themselves (``what_if``, ``preemptible_nodes``) look at GPUs only: in the live
+scheduler's dry runs kube-scheduler's NodeResourcesFit weighs CPU and memory itself.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from api.hami.register import GpuDevice
 from scheduler_plugins.core.decide import feasible_on, plan_on
 from scheduler_plugins.core.explain import node_explanation
 from scheduler_plugins.core.requests import PodAllocation, PodRequest
-from scheduler_plugins.core.rules import Reason
+from scheduler_plugins.core.rules import HostAmounts, Reason, host_reasons
 from scheduler_plugins.core.state import (
     GPU_COLUMNS,
     USAGE_COLUMNS,
@@ -289,6 +293,22 @@ def preemptible_nodes(
     return [view.layout.names[int(i)] for i in np.flatnonzero(fits)]
 
 
+def host_preemptible(
+    state: ClusterState, request: PodRequest, gpus_fit: B, feasible: B
+) -> list[str]:
+    """The nodes of the state's layout whose GPUs fit ``request`` (``gpus_fit``) but whose CPU
+    or memory do not (``feasible``), holding a pod of a priority below the request's: whether
+    preempting some makes room is kube-scheduler's dry run's to tell (its NodeResourcesFit
+    weighs CPU and memory there). In layout order."""
+    layout = state.layout()
+    out = []
+    for s in np.flatnonzero(gpus_fit & ~feasible).tolist():
+        name = layout.names[s]
+        if any(a.priority < request.priority for a in state.pods_on(name)):
+            out.append(name)
+    return out
+
+
 # ----- kube-scheduler's choice of victims (DefaultPreemption), for ``tessera simulate`` -----------
 
 
@@ -327,15 +347,37 @@ def select_victims(
     if not potential:
         return None
     gone = {c.key for c in potential}
-    if not what_if(state, request, node, removed=gone).fits:
+    if not _fits_without(state, request, node, gone):
         return None
     victims: list[Candidate] = []
     for c in sorted(potential, key=_more_important_first):
         gone.discard(c.key)
-        if not what_if(state, request, node, removed=gone).fits:
+        if not _fits_without(state, request, node, gone):
             gone.add(c.key)
             victims.append(c)
     return Victims(node, tuple(victims)) if victims else None
+
+
+def _fits_without(state: ClusterState, request: PodRequest, node: str, gone: set[str]) -> bool:
+    """Whether ``request`` fits ``node`` with the pods ``gone`` gone, as kube-scheduler's dry
+    run filters it: on the GPUs (``what_if``) and on the node's CPU and memory."""
+    if not what_if(state, request, node, removed=gone).fits:
+        return False
+    if request.cpu_milli <= 0 and request.memory_bytes <= 0:
+        return True
+    entry = state.nodes[node]
+    freed = [a for a in state.pods_on(node) if a.key in gone]
+    cpu = state.node_cpu_req[entry.idx] - sum(a.cpu_milli for a in freed)
+    memory = state.node_mem_req[entry.idx] - sum(a.memory_bytes for a in freed)
+    bits = host_reasons(
+        HostAmounts(
+            np.array([entry.cpu_milli], np.float64), np.array([entry.memory_bytes], np.float64)
+        ),
+        HostAmounts(np.array([cpu], np.float64), np.array([memory], np.float64)),
+        request.cpu_milli,
+        request.memory_bytes,
+    )
+    return not bits[0]
 
 
 def pick_node(candidates: Sequence[Victims]) -> Victims | None:
@@ -367,6 +409,7 @@ __all__ = [
     "UnknownNode",
     "Victims",
     "WhatIf",
+    "host_preemptible",
     "pick_node",
     "preemptible_nodes",
     "select_victims",

@@ -2,11 +2,11 @@
 (its PreFilter ranking, through gRPC) and the benchmarks' ``decide(...).best_node()``.
 
 Random clusters (hami-core, MIG and MPS GPUs of the catalog's models, some unhealthy; some nodes
-all MPS) and random pod sequences; each pod is placed by simulate from the YAML files a user
-would write, and offered by the server fed the same Node objects, which then reserves the node
-it ranks first, so both states move together. Every step: the same node (or both unschedulable
-with the same explanation), that node has the top score the server gives kube-scheduler, and
-the same device annotations.
+all MPS) and random pod sequences, some requesting enough CPU or memory to fill a node; each pod
+is placed by simulate from the YAML files a user would write, and offered by the server fed the
+same Node objects, which then reserves the node it ranks first, so both states move together.
+Every step: the same node (or both unschedulable with the same explanation), that node has the
+top score the server gives kube-scheduler, and the same device annotations.
 """
 
 from __future__ import annotations
@@ -61,6 +61,17 @@ def pods(draw: st.DrawFn, i: int) -> dict[str, Any]:
     mode = draw(st.sampled_from([None, "hami-core", "mig", "mps", "hami-core,mps"]))
     if mode:
         pod.annotate(ann.VGPU_MODE, mode)
+    # CPU and memory against the nodes' 16 CPUs and 64 GiB: a few pods fill a node.
+    requests = {
+        k: v
+        for k, v in (
+            ("cpu", draw(st.sampled_from([None, "500m", "6"]))),
+            ("memory", draw(st.sampled_from([None, "1Gi", "30Gi"]))),
+        )
+        if v is not None
+    }
+    if requests:
+        pod.obj["spec"]["containers"][0]["resources"]["requests"] = requests
     for key in (ann.NODE_POLICY, ann.GPU_POLICY):
         policy = draw(st.sampled_from([None, "binpack", "spread"]))
         if policy:

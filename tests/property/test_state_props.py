@@ -491,6 +491,31 @@ def test_placements_never_overcommit_or_overlap(state: ClusterState, data: st.Da
         check_cluster(state, allocs)
 
 
+@settings(max_examples=60, deadline=None)
+@given(clusters(), st.data())
+def test_fragmentation_placements_never_overcommit_or_overlap(
+    state: ClusterState, data: st.DataObject
+) -> None:
+    """The same under the fragmentation node policy (its own node and GPU choice)."""
+    allocs: list[PodAllocation] = []
+    for i in range(data.draw(st.integers(1, 20), label="pods")):
+        spec = data.draw(pod_specs(i), label=f"pod {i}")
+        spec["metadata"].setdefault("annotations", {})[ann.NODE_POLICY] = "fragmentation"
+        request = parse_request(spec, CONFIG)
+        decision, plan = place(state, request)
+        if plan is None:
+            assert decision.feasible_count() == 0
+            assert not obviously_fits(state, allocs, request), (
+                f"{request.key} unschedulable but fits: {decision.verdicts()}"
+            )
+            continue
+        check_plan(state, request, plan)
+        alloc = plan.allocation(request.cpu_milli, request.memory_bytes)
+        state.assume(alloc)
+        allocs.append(alloc)
+        check_cluster(state, allocs)
+
+
 # ----- regressions found by the properties above (shrunk) ---------------------------------------
 
 A100_40 = next(m for m in MODELS if m.name == "NVIDIA A100-PCIE-40GB")

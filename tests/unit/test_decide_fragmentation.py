@@ -1,0 +1,173 @@
+"""The engine under the fragmentation node policy: which node and GPU, the fallbacks, the score
+kube-scheduler gets, and the workload the state learns from the pods it holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from api.hami.config import DeviceConfig
+from api.hami.policy import Policy
+from scheduler_plugins.core import fragmentation as fr
+from scheduler_plugins.core import ranking
+from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.requests import PodRequest, parse_request
+from scheduler_plugins.core.state import ClusterState
+from tests.builders import gpu, make_pod, mig_gpu
+
+FRAG = DeviceConfig(default_node_policy=Policy.FRAGMENTATION)
+POLICY = "hami.io/node-scheduler-policy"
+
+
+def state(cfg: DeviceConfig = FRAG, **nodes: tuple[Any, ...]) -> ClusterState:
+    st = ClusterState(cfg)
+    for name, (devices, cpu) in nodes.items():
+        st.upsert_node(name, devices, cpu_milli=cpu, memory_bytes=64 << 30)
+    return st
+
+
+def two_gpus(node: str) -> tuple[Any, ...]:
+    return (gpu(f"{node}-0", index=0, mem=1000), gpu(f"{node}-1", index=1, mem=1000))
+
+
+def request(
+    name: str,
+    pct: int,
+    cpu: str = "1",
+    cfg: DeviceConfig = FRAG,
+    annotations: dict[str, str] | None = None,
+) -> PodRequest:
+    pod = make_pod(name).gpu(1, pct=pct, cores=pct).build()
+    pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": cpu}
+    pod["metadata"]["annotations"].update(annotations or {})
+    return parse_request(pod, cfg)
+
+
+def place(st: ClusterState, req: PodRequest) -> tuple[str, list[str]]:
+    d = decide(st, req)
+    node = d.best_node()
+    assert node is not None
+    plan = d.plan_for(node)
+    assert plan is not None
+    st.assume(plan.allocation(req.cpu_milli, req.memory_bytes, uid=req.key))
+    return node, [x.uuid for c in plan.containers for x in c]
+
+
+def test_half_pods_complete_half_used_gpus() -> None:
+    st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
+    placed = [place(st, request(f"p{i}", 50)) for i in range(4)]
+    # two GPUs filled completely before a third is touched: binpack at the GPU level too
+    gpus = [g for _, gs in placed for g in gs]
+    assert len(set(gpus)) == 2
+    assert {n for n, _ in placed} == {"a"}
+
+
+def test_spread_gpu_policy_would_split_them() -> None:
+    """The contrast: HAMi's default GPU policy (spread) puts the second half pod on the
+    other, empty GPU of the node."""
+    cfg = DeviceConfig()
+    st = state(cfg, a=(two_gpus("a"), 16000))
+    first = place(st, request("p0", 50, cfg=cfg))
+    second = place(st, request("p1", 50, cfg=cfg))
+    assert first[1] != second[1]
+
+
+def test_a_node_whose_cpu_the_pod_would_strand_is_avoided() -> None:
+    # a holds a 3-core whole-GPU pod; with one more it keeps 1 core, less than the 3 every pod
+    # here asks: its third GPU would be stranded. Binpack takes a (the fuller node).
+    nodes = {"a": (three_gpus("a"), 7000), "b": (three_gpus("b"), 16000)}
+    for cfg, want in ((FRAG, "b"), (DeviceConfig(), "a")):
+        st = state(cfg, **nodes)
+        st.assume(_held("a", "a-0", 1000, 100, 3000))
+        assert place(st, request("p", 100, cpu="3", cfg=cfg))[0] == want
+
+
+def three_gpus(node: str) -> tuple[Any, ...]:
+    return tuple(gpu(f"{node}-{i}", index=i, mem=1000) for i in range(3))
+
+
+def _held(node: str, uuid: str, mem: int, cores: int, cpu: int) -> Any:
+    from api.hami.devices import DeviceAlloc
+    from scheduler_plugins.core.requests import PodAllocation
+
+    return PodAllocation(f"held/{uuid}", node, (DeviceAlloc(uuid, mem, cores),), (), cpu, 0)
+
+
+def test_a_pod_naming_binpack_or_spread_gets_hamis_rule() -> None:
+    st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
+    st.assume(_held("a", "a-0", 500, 50, 1000))
+    assert place(st, request("s", 50, annotations={POLICY: "spread"}))[0] == "b"
+    assert place(st, request("b", 50, annotations={POLICY: "binpack"}))[0] == "a"
+
+
+def test_a_named_gpu_policy_still_picks_the_gpu() -> None:
+    st = state(a=(two_gpus("a"), 16000))
+    st.assume(_held("a", "a-1", 500, 50, 1000))
+    # fragmentation would complete a-1; the pod's own spread takes the empty a-0
+    req = request("p", 50, annotations={"hami.io/gpu-scheduler-policy": "spread"})
+    assert place(st, req) == ("a", ["a-0"])
+    assert place(state(a=(two_gpus("a"), 16000)), request("q", 50))[0] == "a"
+
+
+def test_mig_pods_fall_back_to_binpack() -> None:
+    st = state(
+        m1=((mig_gpu("m1-0", config=FRAG),), 16000), m2=((mig_gpu("m2-0", config=FRAG),), 16000)
+    )
+    pod = make_pod("mig").gpu(1, mem=5000).mode("mig").build()
+    req = parse_request(pod, FRAG)
+    d = decide(st, req)
+    assert d.preference.policy is Policy.BINPACK
+    assert d.best_node() is not None
+
+
+def test_kube_scheduler_gets_the_score_on_its_scale() -> None:
+    st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
+    st.assume(_held("a", "a-0", 500, 50, 1000))
+    d = decide(st, request("p", 50))
+    assert d.preference.policy is Policy.FRAGMENTATION
+    kube = d.preference.kube_scores(d.score).tolist()
+    assert kube == [int(100 * s / fr.NODE_SCORE_MAX) for s in d.score]
+    assert all(0 <= k <= 100 for k in kube)
+    # completing a's half GPU strands less than opening one of b's
+    assert d.score[d.node_index("a")] > d.score[d.node_index("b")]
+
+
+def test_cpu_only_pods_are_ranked_by_what_they_strand() -> None:
+    st = state(full=(two_gpus("full"), 8000), idle=(two_gpus("idle"), 8000))
+    for uuid in ("full-0", "full-1"):
+        st.assume(_held("full", uuid, 1000, 100, 1000))
+    pod = make_pod("cpu").container(cpu="4").build()
+    pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "4"}
+    req = parse_request(pod, FRAG)
+    assert not req.wants_gpu
+    d = decide(st, req)
+    # its CPU on the node whose GPUs are all taken strands nothing
+    assert d.best_node() == "full"
+
+
+def test_the_state_learns_the_workload_from_the_pods_it_holds() -> None:
+    st = state(a=(two_gpus("a"), 16000))
+    assert st.task_mix() is fr.DEFAULT_MIX
+    for i in range(3):
+        place(st, request(f"p{i}", 30))
+    mix = st.task_mix()
+    assert mix.share.tolist() == pytest.approx([0.3])
+    assert mix.cpu.tolist() == [1000]
+    st.forget("default/p0")
+    st.forget("default/p1")
+    st.forget("default/p2")
+    assert st.task_mix() is fr.DEFAULT_MIX
+
+
+def test_a_pod_leaving_the_choice_to_tessera_is_offered_its_best_node_alone() -> None:
+    st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000), c=(two_gpus("c"), 16000))
+    st.assume(_held("b", "b-0", 500, 50, 1000))
+    d = decide(st, request("p", 50))
+    layout = d.layout
+    feasible = np.flatnonzero(d.feasible)
+    offered = ranking.candidates(feasible, d.score, d.preference, layout.name_rank, None, 100)
+    assert [layout.names[i] for i in offered] == ["b"]
+    every = ranking.candidates(feasible, d.score, d.preference, layout.name_rank, None, 0)
+    assert len(every) == 3 and layout.names[every[0]] == "b"
