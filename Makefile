@@ -75,11 +75,13 @@ go-test:
 integration: setup tools-test
 	$(VENV)/bin/pytest tests/integration tests/e2e
 
-## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality; GC pause)
+## bench: core benchmarks (decision latency vs. a per-call rebuild; MIG placement quality; GC pause; MIG churn; trace replay)
 bench: setup
 	$(PYTHON) -m benchmarks.placement_quality
 	$(PYTHON) -m benchmarks.decision_latency
 	$(PYTHON) -m benchmarks.gc_pause
+	$(PYTHON) -m benchmarks.mig_churn
+	$(PYTHON) -m benchmarks.trace_replay
 
 ## bench-cluster: Tessera vs the stock kube-scheduler on a kwok cluster (BENCH_NODES=1000 BENCH_PODS=10000)
 BENCH_NODES ?= 1000
