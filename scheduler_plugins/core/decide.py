@@ -415,9 +415,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
             ctx = _Frag.of(state, layout, request)
             if not request.gpu_policy_named:  # its devices by the rule too
                 masks = replace(masks, frag=ctx)
-            score, evaluated = _fragmentation_scores(
-                state, layout, request, masks, ctx, feasible, owned
-            )
+            score = _fragmentation_scores(state, layout, request, masks, ctx, feasible, owned)
     return Decision(
         request, layout, feasible, score, preference, state, masks, reasons, evaluated, host
     )
@@ -1791,96 +1789,199 @@ def _fragmentation_scores(
     ctx: _Frag,
     feasible: B,
     owned: bool,
-) -> tuple[F64, _Evaluated | None]:
+) -> F64:
     """[S] the fragmentation policy's node score (``fragmentation.node_score`` of what the
-    pod does to the node's fragmentation; 0 where not feasible). A node's
-    fragmentation counts its healthy GPUs of each shared path (hami-core, MPS) apart, the
-    pod's delta is the best path's. A one-device pod's delta is its best GPU's
-    (``fragmentation.node_deltas``); a pod of several devices is planned on every feasible
-    node and its devices' delta counted (the plans are returned for the decision to keep)."""
+    pod does to the node's fragmentation; 0 where not feasible). A node's fragmentation counts
+    its healthy GPUs of each shared path (hami-core, MPS) apart, the pod's delta is the best
+    path's: a one-device pod's on its best GPU (``fragmentation.node_deltas``), several
+    devices' on the tightest GPUs with room (``fragmentation.placement_delta``, the GPUs the
+    plan takes). What each table row gives is kept with the table between decisions
+    (``_FragRows``) and recomputed where pods changed a node since."""
     S = len(layout.names)
     score = np.zeros(S)
     segs = np.flatnonzero(feasible)
     if not segs.size:
-        return score, None
-    W = layout.gpu_rows.shape[0]
-    pod = ctx.shape
-    c = request.containers[0] if request.containers else None
+        return score
     delta = np.full(S, np.inf)
-    free_all = np.full((S, W), np.nan)
-    evaluated: _Evaluated | None = None
-    plans: list[_ContainerPlan] = []
-    at = np.full(S, -1, np.int64)
-    if c is not None and c.count > 1:
-        _, plans = _evaluate(state, layout, request, masks, segs, owned)
-        evaluated = _Evaluated(segs, plans)
-        at[segs] = np.arange(segs.size)
+    free_share = np.zeros(S)  # of the node's GPUs (of the shared paths)
     for mode, table in layout.tables():
         if mode not in rules.SHARED_MODES or table is None or not table.nodes.size:
             continue
-        path = _Path(state, table, masks, request, mode=mode, scratch=Scratch(), memo=None)
-        cols = path._core_columns(None)
-        free = _Frag.free(table.ok, cols)
-        free_all[table.nodes] = np.where(table.ok, free, free_all[table.nodes])
-        rows = np.flatnonzero(feasible[table.nodes])
-        if not rows.size:
-            continue
-        kept = _kept_parts(state, table, free, ctx.mix, owned)
-        here = frag.Parts(kept.total[rows], kept.small[rows], kept.room[rows])
-        nodes = table.nodes[rows]
-        cpu, mem = ctx.cpu_left[nodes], ctx.mem_left[nodes]
-        before = frag.fragmentation(free[rows], cpu, mem, ctx.mix, here)
-        if c is None:  # only the CPU and memory change
-            cpu_after, mem_after = cpu - pod.cpu_milli, mem - pod.memory_bytes
-            d = frag.fragmentation(free[rows], cpu_after, mem_after, ctx.mix, here) - before
-        else:
-            fit, req_mem, _ = path._core_fit(c, cols, work=False)
-            take = _Frag.take(cols, req_mem, c)
-            if c.count == 1:
-                d = frag.node_deltas(
-                    free[rows], cpu, mem, ctx.mix, pod, fit[rows], take[rows], here
-                ).delta
-            else:  # the planned devices' columns on each of these nodes
-                chosen = plans[0].rows[at[nodes]]
-                column = np.where(chosen >= 0, chosen - layout.starts[nodes][:, None], 0)
-                mine = np.take_along_axis(table.idx[rows], column, axis=1) == chosen
-                r = np.arange(rows.size)[:, None]
-                after = free[rows].copy()
-                after[r, column] -= np.where(mine & (chosen >= 0), take[rows][r, column], 0.0)
-                cpu_after, mem_after = cpu - pod.cpu_milli, mem - pod.memory_bytes
-                d = frag.fragmentation(after, cpu_after, mem_after, ctx.mix) - before
-        delta[nodes] = np.minimum(delta[nodes], d)
+        kept = _FragRows.of(state, layout, table, masks, request, mode, ctx.mix, owned)
+        free_share[table.nodes] = np.maximum(free_share[table.nodes], kept.free_share)
+        d = kept.deltas(state, layout, table, masks, request, mode, ctx)
+        delta[table.nodes] = np.minimum(delta[table.nodes], d)
     delta = np.where(np.isfinite(delta), delta, 0.0)  # a node without shared GPUs: nothing
-    score[segs] = frag.node_score(delta[segs], free_all[segs])
-    return score, evaluated
+    score[segs] = frag.node_score(delta[segs], free_share[segs])
+    return score
 
 
-def _kept_parts(
-    state: ClusterState, table: PathTable, free: F64, mix: frag.TaskMix, owned: bool
-) -> frag.Parts:
-    """``fragmentation.parts`` of every row of ``table`` (``free``: its GPUs' free shares now),
-    kept with the table for the workload ``mix`` and refreshed only in the rows whose GPUs
-    pods changed since (they depend on nothing else): most of what the rule costs otherwise.
-    Call while owning the table's scratch (else they are computed, not kept)."""
-    if not owned:
-        return frag.parts(free, mix)
-    memo = table.scratch.memo
-    clock = state.usage_clock
-    kept: tuple[frag.TaskMix, int, frag.Parts] | None = memo.get("frag_parts")
-    if kept is not None and kept[0] is mix:
-        changed = state.usage_changes_since(kept[1])
-        if changed is not None and len(changed) * 8 < table.idx.size:
-            p = kept[2]
-            pos = table.pos[changed] if changed else table.pos[:0]
-            rows = np.unique(pos[pos >= 0] // table.idx.shape[1])
+class _FragRows:
+    """What the fragmentation policy reads of every row of one table, kept with the table
+    between decisions (for one workload ``mix``) and recomputed only in the rows of nodes
+    pods changed since (``ClusterState.usage_changes_since``: their GPUs, CPU or memory):
+    each GPU's free share, ``fragmentation.parts``, and per kind of request (its devices,
+    CPU, memory and GPU selectors) the delta of its best placement on each row."""
+
+    _MAX_KINDS = 64
+
+    def __init__(self, mix: frag.TaskMix, clock: int, free: F64, parts: frag.Parts) -> None:
+        self.mix = mix
+        self.clock = clock
+        self.free = free
+        self.parts = parts
+        self.free_share = frag.pack_key(free)  # [P] the node's mean free share
+        self._deltas: dict[tuple[Any, ...], tuple[int, F64]] = {}
+
+    @staticmethod
+    def of(
+        state: ClusterState,
+        layout: Layout,
+        table: PathTable,
+        masks: _Masks,
+        request: PodRequest,
+        mode: GpuMode,
+        mix: frag.TaskMix,
+        owned: bool,
+    ) -> _FragRows:
+        """The table's rows as they are now (kept in its memo when ``owned``)."""
+        memo: dict[Any, Any] = table.scratch.memo if owned else {}
+        clock = state.usage_clock
+        kept: _FragRows | None = memo.get("frag_rows")
+        if kept is not None and kept.mix is mix:
+            rows = _changed_rows(state, layout, table, kept.clock)
+            if rows is not None:
+                if rows.size:
+                    free = _free_rows(state, table, masks, request, mode, rows)
+                    kept.free[rows] = free
+                    fresh = frag.parts(free, mix)
+                    kept.parts.total[rows] = fresh.total
+                    kept.parts.small[rows] = fresh.small
+                    kept.parts.room[rows] = fresh.room
+                    kept.free_share[rows] = frag.pack_key(free)
+                kept.clock = clock
+                return kept
+        free = _free_rows(state, table, masks, request, mode, None)
+        kept = _FragRows(mix, clock, free, frag.parts(free, mix))
+        memo["frag_rows"] = kept
+        return kept
+
+    def deltas(
+        self,
+        state: ClusterState,
+        layout: Layout,
+        table: PathTable,
+        masks: _Masks,
+        request: PodRequest,
+        mode: GpuMode,
+        ctx: _Frag,
+    ) -> F64:
+        """[P] per row, the delta of the pod's placement there (inf where it has no room)."""
+        c = request.containers[0] if request.containers else None
+        key = (
+            mode,
+            None if c is None else (c.count, c.mem_mib, c.mem_percent, c.cores),
+            ctx.shape.cpu_milli,
+            ctx.shape.memory_bytes,
+            request.use_types,
+            request.nouse_types,
+            request.use_uuids,
+            request.nouse_uuids,
+            request.gpu_policy.mutex,
+            masks.blocked,
+        )
+        found = self._deltas.get(key)
+        rows = None if found is None else _changed_rows(state, layout, table, found[0])
+        if found is None or rows is None:
+            d = _row_deltas(state, table, masks, request, mode, ctx, self, None)
+            if len(self._deltas) >= self._MAX_KINDS:
+                self._deltas.clear()
+        else:
+            d = found[1]
             if rows.size:
-                fresh = frag.parts(free[rows], mix)
-                p.total[rows], p.small[rows], p.room[rows] = fresh
-            memo["frag_parts"] = (mix, clock, p)
-            return p
-    p = frag.parts(free, mix)
-    memo["frag_parts"] = (mix, clock, p)
-    return p
+                d[rows] = _row_deltas(state, table, masks, request, mode, ctx, self, rows)
+        self._deltas[key] = (state.usage_clock, d)
+        return d
+
+
+def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: int) -> I64 | None:
+    """The rows of ``table`` whose node pods changed since ``clock``; None when too many (or
+    too long ago) to refresh them one by one."""
+    changed = state.usage_changes_since(clock)
+    if changed is None or len(changed) * 8 > table.nodes.size:
+        return None
+    if not changed:
+        return np.zeros(0, np.int64)
+    segs = np.unique(layout.seg_of_row[np.array(changed, np.int64)])
+    segs = segs[segs >= 0]
+    at = np.minimum(np.searchsorted(table.nodes, segs), table.nodes.size - 1)
+    rows: I64 = at[table.nodes[at] == segs]
+    return rows
+
+
+def _sub_path(
+    state: ClusterState,
+    table: PathTable,
+    masks: _Masks,
+    request: PodRequest,
+    mode: GpuMode,
+    rows: I64 | None,
+) -> tuple[_Path, I64]:
+    """A ``_Path`` over ``rows`` of ``table`` (all when None), and those rows."""
+    if rows is None:
+        path = _Path(state, table, masks, request, mode=mode, scratch=Scratch(), memo=None)
+        return path, np.arange(table.nodes.size)
+    sub = _TableRows.of(table, table.nodes[rows])
+    assert sub is not None
+    segs = table.nodes[rows]
+    path = _Path(
+        state, sub, masks, request, mode=mode, scratch=Scratch(), memo=None, full=table, segs=segs
+    )
+    return path, rows
+
+
+def _free_rows(
+    state: ClusterState,
+    table: PathTable,
+    masks: _Masks,
+    request: PodRequest,
+    mode: GpuMode,
+    rows: I64 | None,
+) -> F64:
+    """Each GPU's free share in ``rows`` of ``table`` (all when None), NaN where no GPU."""
+    path, at = _sub_path(state, table, masks, request, mode, rows)
+    return _Frag.free(table.ok[at], path._core_columns(None))
+
+
+def _row_deltas(
+    state: ClusterState,
+    table: PathTable,
+    masks: _Masks,
+    request: PodRequest,
+    mode: GpuMode,
+    ctx: _Frag,
+    kept: _FragRows,
+    rows: I64 | None,
+) -> F64:
+    """The delta of the pod's placement on ``rows`` of ``table`` (inf where it has no room)."""
+    path, at = _sub_path(state, table, masks, request, mode, rows)
+    nodes = table.nodes[at]
+    free = kept.free[at]
+    here = frag.Parts(kept.parts.total[at], kept.parts.small[at], kept.parts.room[at])
+    cpu, mem = ctx.cpu_left[nodes], ctx.mem_left[nodes]
+    c = request.containers[0] if request.containers else None
+    if c is None:  # only the CPU and memory change
+        pod = ctx.shape
+        before = frag.fragmentation(free, cpu, mem, ctx.mix, here)
+        after = frag.fragmentation(free, cpu - pod.cpu_milli, mem - pod.memory_bytes, ctx.mix, here)
+        out: F64 = after - before
+        return out
+    cols = path._core_columns(None)
+    fit, req_mem, _ = path._core_fit(c, cols, work=False)
+    take = _Frag.take(cols, req_mem, c)
+    if c.count == 1:
+        return frag.node_deltas(free, cpu, mem, ctx.mix, ctx.shape, fit, take, here).delta
+    return frag.placement_delta(free, cpu, mem, ctx.mix, ctx.shape, fit, take, here).delta
 
 
 def _node_scores(state: ClusterState, layout: Layout) -> F64:

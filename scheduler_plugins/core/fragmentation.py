@@ -117,31 +117,39 @@ DEFAULT_MIX: Final = TaskMix(np.zeros(1), np.zeros(1), np.ones(1), np.ones(1), n
 
 
 class KindCounts:
-    """The kinds of pods held, counted as they come and go (a cluster state keeps one);
-    ``mix`` is rebuilt once the counts moved by a hundredth since the last build (every
-    change while fewer than 100 are held), so a burst of pods does not rebuild it per pod."""
+    """The kinds of pods held, counted as they come and go (a cluster state keeps one).
+    ``mix`` is rebuilt when a kind appears or goes, and else once the counts moved by a
+    hundredth (at least ``_REWEIGH`` pods) since the last build: what the policy keeps per
+    node is computed for one mix, so a burst of pods of known kinds does not recompute it
+    per pod."""
+
+    _REWEIGH: Final = 16
 
     def __init__(self, coverage: float = COVERAGE) -> None:
         self._coverage = coverage
         self._counts: Counter[Shape] = Counter()
         self._moved = 0
         self._held = 0
+        self._kinds_changed = False
         self._mix: TaskMix = DEFAULT_MIX
 
     def add(self, cpu_milli: int, memory_bytes: int, gpus: int, share: float, sign: int) -> None:
         shape = pod_shape(cpu_milli, memory_bytes, gpus, share)
         n = self._counts[shape] + sign
         if n > 0:
+            self._kinds_changed |= n == sign  # a new kind
             self._counts[shape] = n
         else:
+            self._kinds_changed = True
             del self._counts[shape]
         self._held += sign
         self._moved += 1
 
     def mix(self) -> TaskMix:
-        if self._moved and self._moved * 100 >= max(self._held, 100):
+        if self._kinds_changed or self._moved >= max(self._REWEIGH, self._held // 100):
             self._mix = TaskMix.of(self._counts, self._coverage)
             self._moved = 0
+            self._kinds_changed = False
         return self._mix
 
 
@@ -333,16 +341,18 @@ def placement_delta(
     pod: Shape,
     room: B | None = None,
     take: F64 | float | None = None,
+    node_parts: Parts | None = None,
 ) -> Delta:
     """What placing ``pod`` does to each node's fragmentation (the nodes of ``free`` [N, W],
     each assumed to fit it; ``room``: the GPUs that can take one of its devices, by default
-    ``room_for``; ``take``: as ``device_deltas``'s). A one-device pod is tried on every GPU
-    with room and takes the best; a pod of several devices takes the GPUs with the least free
-    share among those with room (ties: the highest index, as the engine picks)."""
+    ``room_for``; ``take``, ``node_parts``: as ``node_deltas``'s). A one-device pod is tried
+    on every GPU with room and takes the best; a pod of several devices takes the GPUs with
+    the least free share among those with room (ties: the highest index, as the engine
+    picks); inf where too few have room."""
     n, w = free.shape
     columns = np.full((n, max(pod.gpus, 1)), -1, np.int64)
     if not pod.gpus:
-        p = parts(free, mix)
+        p = parts(free, mix) if node_parts is None else node_parts
         before = _stranded(p, cpu_left, mem_left, mix)
         after = _stranded(p, cpu_left - pod.cpu_milli, mem_left - pod.memory_bytes, mix)
         return Delta(after - before, columns)
@@ -364,9 +374,10 @@ def placement_delta(
     rows = np.arange(n)[:, None]
     trial = np.array(free, np.float64)
     trial[rows, cols] = np.where(ok, f[rows, cols] - share[rows, cols], f[rows, cols])
-    before = _stranded(parts(free, mix), cpu_left, mem_left, mix)
+    p = parts(free, mix) if node_parts is None else node_parts
+    before = _stranded(p, cpu_left, mem_left, mix)
     after = _stranded(parts(trial, mix), cpu_left - pod.cpu_milli, mem_left - pod.memory_bytes, mix)
-    return Delta(after - before, columns)
+    return Delta(np.where(ok.all(axis=1), after - before, np.inf), columns)
 
 
 TIE_WEIGHT: Final = 3.0
@@ -392,10 +403,11 @@ def scores(delta: F64) -> I64:
     return np.floor(s).astype(np.int64)
 
 
-def node_score(delta: F64, free: F64) -> F64:
+def node_score(delta: F64, free_share: F64) -> F64:
     """The fragmentation policy's node score, 0..``NODE_SCORE_MAX``: ``scores`` of the pod's
-    delta there plus ``TIE_WEIGHT`` times the node's used GPU share (``free`` [N, W])."""
-    used = np.clip(1.0 - pack_key(free), 0.0, 1.0)
+    delta there plus ``TIE_WEIGHT`` times the node's used GPU share (``free_share``: its
+    ``pack_key``)."""
+    used = np.clip(1.0 - free_share, 0.0, 1.0)
     out: F64 = scores(delta) + TIE_WEIGHT * used
     return out
 

@@ -510,8 +510,9 @@ class ClusterState:
 
     def usage_changes_since(self, clock: int) -> list[int] | None:
         """The GPU rows whose usage columns (``used_*``, ``mig_mask``, ``conflict``) changed by
-        pods since ``usage_clock`` was ``clock``, repeats included; None when that is too long
-        ago to tell. Changes of rows themselves (nodes) bump ``layout_version`` instead."""
+        pods since ``usage_clock`` was ``clock``, repeats included, and the first GPU row of
+        every node whose requested or allocatable CPU or memory changed; None when that is too
+        long ago to tell. Changes of rows themselves (nodes) bump ``layout_version`` instead."""
         if clock < self._usage_log_start:
             return None
         return self._usage_log[clock - self._usage_log_start :]
@@ -542,6 +543,8 @@ class ClusterState:
         devices = tuple(sorted(devices, key=_by_index))
         entry = self.nodes.get(name)
         if entry is not None and entry.devices == devices:
+            if (entry.cpu_milli, entry.memory_bytes) != (cpu_milli, memory_bytes) and devices:
+                self._usage_log.append(entry.start)  # its allocatable CPU or memory changed
             entry.cpu_milli, entry.memory_bytes = cpu_milli, memory_bytes
             self.node_cpu_alloc[entry.idx] = cpu_milli
             self.node_mem_alloc[entry.idx] = memory_bytes
@@ -801,6 +804,8 @@ class ClusterState:
             self.ledger.drop(rec.slots)
             rec.slots = None
         self._usage_log.extend(u.row for u in used)
+        if (alloc.cpu_milli or alloc.memory_bytes) and entry.devices:
+            self._usage_log.append(entry.start)  # the node's CPU or memory changed
         if len(self._usage_log) > _USAGE_LOG_MAX:  # copies that old refresh in full
             self._usage_log_start += len(self._usage_log)
             self._usage_log.clear()

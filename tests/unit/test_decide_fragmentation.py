@@ -153,7 +153,7 @@ def test_the_state_learns_the_workload_from_the_pods_it_holds() -> None:
     for i in range(3):
         place(st, request(f"p{i}", 30))
     mix = st.task_mix()
-    assert mix.share.tolist() == pytest.approx([0.3])
+    assert mix.share.tolist() == pytest.approx([0.3])  # a new kind: known at once
     assert mix.cpu.tolist() == [1000]
     st.forget("default/p0")
     st.forget("default/p1")
@@ -171,3 +171,55 @@ def test_a_pod_leaving_the_choice_to_tessera_is_offered_its_best_node_alone() ->
     assert [layout.names[i] for i in offered] == ["b"]
     every = ranking.candidates(feasible, d.score, d.preference, layout.name_rank, None, 0)
     assert len(every) == 3 and layout.names[every[0]] == "b"
+
+
+def test_kept_rows_give_what_a_fresh_computation_gives() -> None:
+    """Scores from the rows kept between decisions (refreshed where pods changed a node, CPU
+    only pods included) equal those computed afresh (a decision that cannot use the kept
+    rows: another holds the layout's work arrays)."""
+    rng = np.random.default_rng(5)
+    nodes = {f"n{i}": (three_gpus(f"n{i}"), 16000) for i in range(12)}
+    st = state(**nodes)
+    for i in range(60):
+        if rng.random() < 0.25:
+            pod = make_pod(f"cpu{i}").container(cpu="2").build()
+            pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "2"}
+            req = parse_request(pod, FRAG)
+        else:
+            pct = int(rng.choice([10, 25, 50, 100]))
+            req = request(f"p{i}", pct, cpu=str(int(rng.integers(1, 4))))
+        d = decide(st, req)
+        layout = st.layout()
+        assert layout.scratch.acquire()
+        try:
+            want = decide(st, req)
+        finally:
+            layout.scratch.release()
+        assert d.score.tolist() == pytest.approx(want.score.tolist())
+        node = d.best_node()
+        if node is None:
+            continue
+        plan = d.plan_for(node)
+        assert plan is not None
+        st.assume(plan.allocation(req.cpu_milli, req.memory_bytes, uid=req.key))
+
+
+def test_several_devices_take_the_tightest_gpus() -> None:
+    st = state(a=(three_gpus("a"), 16000))
+    st.assume(_held("a", "a-0", 500, 50, 1000))
+    pod = make_pod("two").gpu(2, pct=50, cores=50).build()
+    req = parse_request(pod, FRAG)
+    node, gpus = place(st, req)
+    # a-0 (half free) first, then of the two empty GPUs the last, as the engine picks
+    assert (node, sorted(gpus)) == ("a", ["a-0", "a-2"])
+
+
+def test_a_nodes_new_allocatable_reaches_the_kept_rows() -> None:
+    four = {n: (tuple(gpu(f"{n}-{i}", index=i, mem=1000) for i in range(4)), 16000) for n in "ab"}
+    st = state(**four)
+    st.assume(_held("a", "a-0", 1000, 100, 1000))
+    st.assume(_held("a", "a-1", 1000, 100, 3000))
+    assert decide(st, request("q", 100, cpu="3")).best_node() == "a"  # the fuller node
+    # a now shows 8 cores, 4 left: after q, 1, and its last GPU stranded for 3-core pods
+    st.upsert_node("a", four["a"][0], cpu_milli=8000, memory_bytes=64 << 30)
+    assert decide(st, request("q", 100, cpu="3")).best_node() == "b"

@@ -1,0 +1,68 @@
+"""The fragmentation node policy with the real ``tessera-scheduler``, and kube-scheduler's CPU
+fit in Tessera's verdicts.
+
+Three one-GPU nodes (A100-40GB: 10 slots, 100 cores, 40960 MiB; 32 CPUs each). Pods name the
+policy with ``hami.io/node-scheduler-policy: fragmentation`` and leave the node to Tessera (no
+selector or affinity): each is offered its best node alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+
+from api.hami import keys as ann
+from tests.e2e.harness import (
+    GPU,
+    GPUCORES,
+    GPUMEM,
+    HERE,
+    E2ECluster,
+    node_of,
+    pod_manifest,
+    tessera_cluster,
+)
+
+FRAGMENTATION: Final = {ann.VGPU_MODE: "hami-core", ann.NODE_POLICY: "fragmentation"}
+
+
+@pytest.fixture(scope="module")
+def cluster(built_tools: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
+    state = tmp_path_factory.mktemp("e2e-fragmentation")
+    with tessera_cluster(state, "e2e-frag", HERE / "nodes-scores.yaml", 3) as c:
+        yield c
+
+
+def _pod(name: str, mem: int, cores: int, cpu: str) -> dict[str, Any]:
+    return pod_manifest(
+        name,
+        {GPU: 1, GPUMEM: mem, GPUCORES: cores},
+        annotations=FRAGMENTATION,
+        requests={"cpu": cpu},
+    )
+
+
+def test_half_pods_share_a_gpu_and_a_cpu_starved_node_is_avoided(cluster: E2ECluster) -> None:
+    c = cluster
+    nodes = c.nodes_in_mode("hami-core")
+    c.create(_pod("half-1", 20480, 50, "1"))
+    first = node_of(c.wait_bound("half-1"))
+    # the second half completes the first one's GPU: the policy keeps the other GPUs whole
+    c.create(_pod("half-2", 20480, 50, "1"))
+    assert node_of(c.wait_bound("half-2")) == first
+
+    starved, fed = (n for n in nodes if n != first)
+    c.create(pod_manifest("cpu-hog", requests={"cpu": "31"}, nodes=[starved]))
+    c.wait_bound("cpu-hog", timeout_s=30)
+    # starved has a whole GPU free but 1 CPU left: not where a 4-CPU pod can go
+    c.create(_pod("whole-1", 40960, 100, "4"))
+    assert node_of(c.wait_bound("whole-1")) == fed
+
+    # only starved's GPU is left, and it lacks the CPU: Pending, and Tessera says why
+    c.create(_pod("whole-2", 40960, 100, "4"))
+    messages = c.wait_event("whole-2")
+    assert any("insufficient cpu" in m for m in messages), messages
+    assert not node_of(c.pod("whole-2"))
