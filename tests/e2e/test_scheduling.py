@@ -379,22 +379,19 @@ def test_burst_survives_plugin_server_restart(burst_cluster: E2ECluster) -> None
 def test_rejected_candidates_retry_at_once_over_every_feasible_node(
     one_candidate_cluster: E2ECluster,
 ) -> None:
-    """kube-scheduler sees only Tessera's best node (candidateNodes: 1); there the pod's cpu
-    does not fit. The shim sends the pod straight back for every feasible node: bound within
-    seconds elsewhere, not Pending until kube-scheduler's next flush (minutes)."""
+    """kube-scheduler sees only Tessera's best node (candidateNodes: 1); there a taint Tessera
+    does not weigh keeps the pod off. The shim sends the pod straight back for every feasible
+    node: bound within seconds elsewhere, not Pending until kube-scheduler's next flush
+    (minutes). (CPU no longer does it: Tessera's verdicts include kube-scheduler's CPU fit.)"""
     c = one_candidate_cluster
     busy, *others = c.nodes_in_mode("hami-core")
-    # The busiest GPU node (binpack's best) with its cpu all taken.
+    # The busiest GPU node (binpack's best), then tainted against new pods.
     c.create(pod_manifest("load", {GPU: 1, GPUMEM: 4000}, annotations=HAMI_CORE, nodes=[busy]))
-    c.create(pod_manifest("cpu-hog", requests={"cpu": "31"}, nodes=[busy]))
     c.wait_bound("load", timeout_s=30)
-    c.wait_bound("cpu-hog", timeout_s=30)
+    taint = {"key": "tessera.dev/e2e-keep-off", "effect": "NoSchedule"}
+    c.api.merge_patch(f"/api/v1/nodes/{busy}", {"spec": {"taints": [taint]}})
     t0 = time.monotonic()
-    c.create(
-        pod_manifest(
-            "wants-cpu", {GPU: 1, GPUMEM: 2000}, annotations=HAMI_CORE, requests={"cpu": "4"}
-        )
-    )
+    c.create(pod_manifest("wants-cpu", {GPU: 1, GPUMEM: 2000}, annotations=HAMI_CORE))
     pod = c.wait_bound("wants-cpu", timeout_s=30)
     assert node_of(pod) in others, node_of(pod)
     print(f"\nbound on {node_of(pod)} {time.monotonic() - t0:.1f}s after its create")
