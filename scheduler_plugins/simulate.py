@@ -268,11 +268,19 @@ class Simulation:
             total = len(decision.layout.names) + len(decision.layout.gpu_less)
             gpu_scores = ", ".join(f"{d.gpu_score:.2f}" for c in plan.containers for d in c)
             kube = int(decision.preference.kube_scores(decision.score[i : i + 1])[0])
-            reason = (
-                f"node score {decision.score[i]:.2f} ({req.node_policy.value}: {kube}/100 to "
-                f"kube-scheduler), GPU score {gpu_scores} ({req.gpu_policy}), "
-                f"{feasible}/{total} nodes feasible"
-            )
+            if decision.delta is not None:
+                reason = (
+                    f"fragmentation score {decision.score[i]:.2f} ({kube}/100 to "
+                    f"kube-scheduler): the GPU capacity the workload could not use there "
+                    f"changes by {float(decision.delta[i]):+.2f} GPU, "
+                    f"{feasible}/{total} nodes feasible"
+                )
+            else:
+                reason = (
+                    f"node score {decision.score[i]:.2f} ({req.node_policy.value}: {kube}/100 "
+                    f"to kube-scheduler), GPU score {gpu_scores} ({req.gpu_policy}), "
+                    f"{feasible}/{total} nodes feasible"
+                )
             state.assume(
                 plan.allocation(req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority)
             )

@@ -128,11 +128,15 @@ class Decision:
         reasons: I64 | None = None,
         evaluated: _Evaluated | None = None,
         host: tuple[B, I64] | None = None,
+        delta: F64 | None = None,
     ) -> None:
         self.request = request
         self.layout = layout
         self.feasible = feasible  # [S]
         self.score = score  # [S] node usage score before this pod
+        # [S] under the fragmentation policy: what the pod does to each node's fragmentation
+        # (``_fragmentation_scores``); else None
+        self.delta = delta
         self.preference = preference  # how this pod ranks nodes (``ranking``)
         self._state = state
         self._masks = masks
@@ -394,6 +398,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
     reasons: I64 | None = None
     evaluated: _Evaluated | None = None
     host: tuple[B, I64] | None = None
+    delta: F64 | None = None
     if not layout.names:  # no node registers a GPU
         feasible, score, reasons = np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64)
     else:
@@ -415,9 +420,11 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
             ctx = _Frag.of(state, layout, request)
             if not request.gpu_policy_named:  # its devices by the rule too
                 masks = replace(masks, frag=ctx)
-            score = _fragmentation_scores(state, layout, request, masks, ctx, feasible, owned)
+            score, delta = _fragmentation_scores(
+                state, layout, request, masks, ctx, feasible, owned
+            )
     return Decision(
-        request, layout, feasible, score, preference, state, masks, reasons, evaluated, host
+        request, layout, feasible, score, preference, state, masks, reasons, evaluated, host, delta
     )
 
 
@@ -1789,9 +1796,10 @@ def _fragmentation_scores(
     ctx: _Frag,
     feasible: B,
     owned: bool,
-) -> F64:
+) -> tuple[F64, F64]:
     """[S] the fragmentation policy's node score (``fragmentation.node_score`` of what the
-    pod does to the node's fragmentation; 0 where not feasible). A node's fragmentation counts
+    pod does to the node's fragmentation; 0 where not feasible), and that delta (GPU shares;
+    0 on nodes without shared GPUs, inf where not feasible). A node's fragmentation counts
     its healthy GPUs of each shared path (hami-core, MPS) apart, the pod's delta is the best
     path's: a one-device pod's on its best GPU (``fragmentation.node_deltas``), several
     devices' on the tightest GPUs with room (``fragmentation.placement_delta``, the GPUs the
@@ -1800,9 +1808,9 @@ def _fragmentation_scores(
     S = len(layout.names)
     score = np.zeros(S)
     segs = np.flatnonzero(feasible)
-    if not segs.size:
-        return score
     delta = np.full(S, np.inf)
+    if not segs.size:
+        return score, delta
     free_share = np.zeros(S)  # of the node's GPUs (of the shared paths)
     for mode, table in layout.tables():
         if mode not in rules.SHARED_MODES or table is None or not table.nodes.size:
@@ -1813,7 +1821,7 @@ def _fragmentation_scores(
         delta[table.nodes] = np.minimum(delta[table.nodes], d)
     delta = np.where(np.isfinite(delta), delta, 0.0)  # a node without shared GPUs: nothing
     score[segs] = frag.node_score(delta[segs], free_share[segs])
-    return score
+    return score, delta
 
 
 class _FragRows:

@@ -228,3 +228,21 @@ def test_preemption_weighs_cpu_and_memory(
     assert urgent["preempt"] == {"node": "x", "victims": ["default/x-low"]}
     assert "would preempt default/x-low on node x" in urgent["reason"]
     assert ordinary["status"] == "Unschedulable" and ordinary["preempt"] is None
+
+
+def test_the_fragmentation_policy_says_what_the_pod_strands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two half-GPU pods under the fragmentation policy: the second completes the first's GPU
+    (nothing more stranded), and the reason gives the policy's score and that change."""
+    half = [pod(f"half-{i}", "1", "1Gi", gpu_mem=20480) for i in range(2)]
+    for p in half:
+        p["metadata"]["annotations"]["hami.io/node-scheduler-policy"] = "fragmentation"
+    nodes = [node("g1", "16", "64Gi", gpus=2), node("g2", "16", "64Gi", gpus=2)]
+    code, out, _ = run(tmp_path, capsys, nodes, half)
+    assert code == 0
+    assert [r["node"] for r in out] == ["g1", "g1"]
+    devices = [r["annotations"]["hami.io/vgpu-devices-allocated"].split(",")[0] for r in out]
+    assert devices[0] == devices[1]
+    assert out[1]["reason"].startswith("fragmentation score ")
+    assert "could not use there changes by +0.00 GPU, 2/2 nodes feasible" in out[1]["reason"]
