@@ -7,11 +7,12 @@ placement policy; capped by what the cluster holds). A fixed mix of request type
 scheduled one pod after another, each placed pod assumed into the state as the plugin server
 does at Reserve.
 
-Compared in the same run with a baseline that does what HAMi's scheduler does per Filter call:
-rebuild full-cluster usage from every pod (here ``build_state`` from the node list and all pod
-allocations, already parsed, which flatters the baseline: HAMi also decodes every pod's
-annotations), then decide. The baseline runs fewer calls (a time budget per cluster), on the
-same state, and must pick the same node as Tessera on every call it makes.
+Compared in the same run with a baseline that is Tessera's own engine without its kept state:
+it rebuilds full-cluster usage from every pod on every call (``build_state`` from the node list
+and all pod allocations, already parsed), then decides. That is the recount HAMi's scheduler
+does per Filter call, but it is not HAMi: HAMi's own extender (Go) also decodes every pod's
+annotations and was not run here. The baseline runs fewer calls (a time budget per cluster),
+on the same state, and must pick the same node as Tessera on every call it makes.
 
 Target (issue): p99 <= 5 ms per pod at 5000 nodes.
 
