@@ -62,13 +62,22 @@ def test_default_allowlist_covers_spec_models(device: str, first_profile: str) -
     assert DeviceConfig().allowed_profiles(device)[0] == first_profile
 
 
+def test_the_fragmentation_node_policy_loads() -> None:
+    cfg = load_config("scheduler: {defaultNodePolicy: fragmentation}")
+    assert cfg.default_node_policy is Policy.FRAGMENTATION
+
+
 @pytest.mark.parametrize(
     ("text", "path", "fragment"),
     [
         ("nvidia: {deviceSplitCount: 0}", "nvidia.deviceSplitCount", "between 1 and 1000"),
         ("nvidia: {deviceSplitcount: 5}", "nvidia.deviceSplitcount", "unknown field"),
         ("nvidia: {migPlacementPolicy: best}", "nvidia.migPlacementPolicy", "fragmentation-aware"),
-        ("scheduler: {defaultNodePolicy: pack}", "scheduler.defaultNodePolicy", "binpack, spread"),
+        (
+            "scheduler: {defaultNodePolicy: pack}",
+            "scheduler.defaultNodePolicy",
+            "binpack, spread, fragmentation",
+        ),
         (
             "nvidia: {nodeconfig: [{name: a, operatingmode: vgpu}]}",
             "nvidia.nodeconfig[0].operatingmode",
