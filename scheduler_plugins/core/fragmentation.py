@@ -284,7 +284,7 @@ def node_deltas(
     wk = mix.weight[:, None]
     k = len(mix.weight)
     # kinds by rows, nodes along them: the prefix sums over kinds are whole-row additions
-    small, room_k = p.small.T, p.room.T
+    small, room_k = np.ascontiguousarray(p.small.T), np.ascontiguousarray(p.room.T)
     ok_after = (cpu_left - pod.cpu_milli) >= mix.cpu[:, None]
     ok_after &= (mem_left - pod.memory_bytes) >= mix.memory[:, None]
     h_a = ok_after & (room_k >= mix.gpus[:, None])  # kinds the GPU's fit does not change
@@ -298,7 +298,9 @@ def node_deltas(
     np.multiply(wk, np.where(h_b, small, total), out=terms[2, 1:])
     np.multiply(wk, ~h_b, out=terms[3, 1:])
     np.multiply(wk, h_b, out=terms[4, 1:])
-    pre = np.cumsum(terms, axis=1).ravel()
+    for j in range(1, k + 1):  # the prefix sums, a row of nodes at a time (cumsum is strided)
+        terms[:, j] += terms[:, j - 1]
+    pre = terms.ravel()
     pw = np.concatenate(([0.0], np.cumsum(mix.weight)))
     thresholds = mix.share - _EPS
     left = f - share
