@@ -109,10 +109,6 @@ class Pod:
     milli: int  # per device; 1000 = a whole GPU; 0 for CPU-only pods
     models: tuple[str, ...]  # allowed GPU models; () = any
 
-    @property
-    def shape(self) -> frag.Shape:
-        return frag.pod_shape(self.cpu, self.memory, self.gpus, self.milli / MILLI)
-
 
 def _rows(path: Path) -> list[dict[str, str]]:
     try:

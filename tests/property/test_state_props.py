@@ -470,37 +470,15 @@ def place(state: ClusterState, request: PodRequest) -> tuple[Decision, PodPlan |
     return decision, plan
 
 
-@settings(max_examples=80, deadline=None)
-@given(clusters(), st.data())
-def test_placements_never_overcommit_or_overlap(state: ClusterState, data: st.DataObject) -> None:
-    allocs: list[PodAllocation] = []
-    for i in range(data.draw(st.integers(1, 20), label="pods")):
-        request = parse_request(data.draw(pod_specs(i), label=f"pod {i}"), CONFIG)
-        decision, plan = place(state, request)
-        if plan is None:
-            assert decision.feasible_count() == 0
-            assert not obviously_fits(state, allocs, request), (
-                f"{request.key} unschedulable but fits: {decision.verdicts()}"
-            )
-            continue
-        check_plan(state, request, plan)
-        check_gpu_scores(state, allocs, plan)
-        alloc = plan.allocation(request.cpu_milli, request.memory_bytes)
-        state.assume(alloc)
-        allocs.append(alloc)
-        check_cluster(state, allocs)
-
-
-@settings(max_examples=60, deadline=None)
-@given(clusters(), st.data())
-def test_fragmentation_placements_never_overcommit_or_overlap(
-    state: ClusterState, data: st.DataObject
-) -> None:
-    """The same under the fragmentation node policy (its own node and GPU choice)."""
+def place_all(state: ClusterState, data: st.DataObject, node_policy: str | None) -> None:
+    """Place drawn pods one after another (``node_policy``: the annotation each names, None:
+    its own), checking every plan and the cluster after each; the GPU scores too where the
+    pods go by HAMi's policies (the fragmentation policy scores by its own rule)."""
     allocs: list[PodAllocation] = []
     for i in range(data.draw(st.integers(1, 20), label="pods")):
         spec = data.draw(pod_specs(i), label=f"pod {i}")
-        spec["metadata"].setdefault("annotations", {})[ann.NODE_POLICY] = "fragmentation"
+        if node_policy is not None:
+            spec["metadata"].setdefault("annotations", {})[ann.NODE_POLICY] = node_policy
         request = parse_request(spec, CONFIG)
         decision, plan = place(state, request)
         if plan is None:
@@ -510,10 +488,27 @@ def test_fragmentation_placements_never_overcommit_or_overlap(
             )
             continue
         check_plan(state, request, plan)
+        if node_policy is None:
+            check_gpu_scores(state, allocs, plan)
         alloc = plan.allocation(request.cpu_milli, request.memory_bytes)
         state.assume(alloc)
         allocs.append(alloc)
         check_cluster(state, allocs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(clusters(), st.data())
+def test_placements_never_overcommit_or_overlap(state: ClusterState, data: st.DataObject) -> None:
+    place_all(state, data, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters(), st.data())
+def test_fragmentation_placements_never_overcommit_or_overlap(
+    state: ClusterState, data: st.DataObject
+) -> None:
+    """The same under the fragmentation node policy (its own node and GPU choice)."""
+    place_all(state, data, "fragmentation")
 
 
 # ----- regressions found by the properties above (shrunk) ---------------------------------------
