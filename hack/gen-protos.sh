@@ -18,6 +18,7 @@ export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
 
 PROTOS=(
   api/deviceplugin/v1beta1/api.proto
+  api/podresources/v1/api.proto
   api/plugin/v1/plugin.proto
 )
 

@@ -10,7 +10,9 @@
    whenever discovery sees a change), health (rediscovery every ``health_interval_s`` into
    the ``SlotInventory``, whose changes ListAndWatch pushes to the kubelet) and, in ``mig``
    mode, reconcile (every ``reconcile_interval_s`` against the desired set from the API;
-   an unreadable set skips every destructive step).
+   an unreadable set skips every destructive step), and with a PodResources API
+   (hami-core and MPS) identities: Allocate's interchangeable hand-outs checked against the
+   kubelet's record of which container holds which ids (``node_agent.identities``).
    With an MPS backend, the daemons are checked once before the first registration
    (``MpsDaemons.sync``: in ``mps`` mode started or adopted, in other modes any left
    running stopped) and, in ``mps`` mode, every ``mps_check_interval_s`` (restarted when
@@ -43,6 +45,7 @@ from api.hami.keys import GpuMode
 from node_agent.allocator import Allocator
 from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePluginServer
+from node_agent.identities import IdentityFixer, PodResourcesLister
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import DesiredRead, desired_from_pods
 from node_agent.mps.backend import MpsBackend
@@ -88,6 +91,8 @@ class NodeAgent:
         plugin_watch_interval_s: float = 1.0,
         mps_backend: MpsBackend | None = None,
         mps_check_interval_s: float = 5.0,
+        pod_resources: PodResourcesLister | None = None,
+        identity_check_s: float = 0.5,
     ) -> None:
         self.node_name = node_name
         self._kube = kube
@@ -103,6 +108,9 @@ class NodeAgent:
         self._watch_s = plugin_watch_interval_s
         self._mps_backend = mps_backend
         self._mps_s = mps_check_interval_s
+        self._pod_resources = pod_resources
+        self._identity_s = identity_check_s
+        self.identities: IdentityFixer | None = None
         self.mode: GpuMode = config.node(node_name).operating_mode
         self.ready = threading.Event()  # set while the device plugin is registered and serving
         self.mig_manager: MigManager | None = None
@@ -142,6 +150,12 @@ class NodeAgent:
             if mps is not None:
                 self._check_mps(mps, registrar)
             inventory = SlotInventory(registrar.devices())
+            identities = (
+                IdentityFixer(self.node_name, self._kube, self._pod_resources, self.resource_name)
+                if self._pod_resources is not None and self.mode != "mig"
+                else None
+            )
+            self.identities = identities
             allocator = Allocator(
                 self.node_name,
                 self._kube,
@@ -150,6 +164,7 @@ class NodeAgent:
                 self._config,
                 operating_mode=self.mode,
                 mps=mps,
+                identities=identities,
             )
             loops: list[tuple[str, Callable[[], None]]] = [
                 ("register", lambda: self._register_loop(registrar, halt, wake_register)),
@@ -157,6 +172,8 @@ class NodeAgent:
             ]
             if mig is not None:
                 loops.append(("reconcile", lambda: self._reconcile_loop(mig, halt)))
+            if identities is not None:
+                loops.append(("identities", lambda: self._identity_loop(identities, halt)))
             if mps is not None and self.mode == "mps":
                 loops.append(
                     ("mps", lambda: self._mps_loop(mps, registrar, inventory, halt, wake_register))
@@ -191,6 +208,8 @@ class NodeAgent:
                 server.stop()
             halt.set()
             wake_register.set()
+            if self.identities is not None:
+                self.identities.wake.set()
             for t in threads:
                 t.join()
             self._backend.shutdown()
@@ -284,6 +303,31 @@ class NodeAgent:
                     )
             except Exception:
                 log.exception("node_agent.reconcile_crashed", node=self.node_name)
+
+    def _identity_loop(self, fixer: IdentityFixer, halt: threading.Event) -> None:
+        """Check interchangeable hand-outs against PodResources while any is pending (every
+        ``identity_check_s``); sleep until the next one otherwise."""
+        adopted = False
+        while not halt.is_set():
+            try:
+                if not adopted:
+                    answer = self._kube.list(
+                        "/api/v1/pods", field_selector=f"spec.nodeName={self.node_name}"
+                    )
+                    fixer.adopt(answer.get("items") or [])
+                    adopted = True
+                idle = fixer.check()
+            except TesseraError as e:
+                log.warning("node_agent.identity_check_failed", node=self.node_name, error=str(e))
+                idle = False
+            except Exception:
+                log.exception("node_agent.identity_check_crashed", node=self.node_name)
+                idle = False
+            if idle:
+                fixer.wake.wait()  # set by a hand-out, and at stop
+                fixer.wake.clear()
+            else:
+                halt.wait(self._identity_s)
 
     def _desired(self) -> DesiredRead:
         """The MIG desired set of the pods on this node; unreadable on any API failure."""

@@ -3,7 +3,9 @@
 ``Allocator`` is the device plugin's ``AllocateHandler``, and ``Allocator.preferred`` its
 GetPreferredAllocation policy (steering the kubelet's ids to the GPUs of the one pod whose
 next container asks that many devices). For each container request it finds the pod
-(``node_agent.pod_matching``: by device count, no node lock), takes the devices and limits
+(``node_agent.pod_matching``: by device count, no node lock; among interchangeable pods the
+one whose GPUs the ids name, the hand-out then checked against the kubelet's PodResources by
+``node_agent.identities``), takes the devices and limits
 from *that pod's* ``hami.io/vgpu-devices-to-allocate`` entry (never from another pod), checks
 what it did not write (the entry's GPUs are this node's, limits in range, the container's
 MIG reservations agree with it), then:
@@ -56,6 +58,7 @@ from api.kube.errors import ConflictError, NotFoundError
 from api.kube.objects import annotations_of, as_object, parse_quantity, pod_key
 from node_agent.deviceplugin.ids import device_id, prefer_gpus, prefer_spread
 from node_agent.deviceplugin.types import ContainerAllocation, Mount
+from node_agent.identities import IdentityFixer
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
 from node_agent.mps.backend import CONTAINER_PIPE_ROOT
@@ -111,8 +114,10 @@ class Allocator:
         host_hook_dir: str = HOST_HOOK_DIR,
         cache_name: Callable[[], str] = lambda: str(uuid.uuid4()),
         mps: MpsDaemons | None = None,
+        identities: IdentityFixer | None = None,
     ) -> None:
         self.node_name = node_name
+        self._identities = identities
         self._kube = kube
         self._backend = backend
         self._mig = mig_manager
@@ -144,6 +149,9 @@ class Allocator:
                     ids=list(ids),
                 )
             out.append(self._allocate_guarded(match.pod, match.container_index, pods))
+            if self._identities is not None:
+                siblings = (match.key, *match.siblings) if match.siblings else ()
+                self._identities.handed(ids, [d.uuid for d in match.devices], siblings)
         return out
 
     def preferred(

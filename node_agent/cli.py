@@ -57,6 +57,13 @@ def add_node_agent_commands(
         default=5.0,
         help="seconds between MPS control daemon checks in mps mode",
     )
+    run.add_argument(
+        "--pod-resources-socket",
+        default=None,
+        help="the kubelet's PodResources socket, read to check which pod holds the GPUs "
+        "handed to interchangeable pods (default: /var/lib/kubelet/pod-resources/kubelet.sock; "
+        "'' turns the check off)",
+    )
     logging_flags(run)
     run.set_defaults(func=_cmd_run)
     kwok = sub.add_parser("kwok", help="simulated node agents for kwok fake nodes")
@@ -106,6 +113,7 @@ def _stop_on_signals() -> threading.Event:
 def _cmd_run(args: argparse.Namespace) -> int:
     from node_agent.agent import NodeAgent
     from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
+    from node_agent.identities import DEFAULT_POD_RESOURCES_SOCKET, KubeletPodResources
     from node_agent.mps import DEFAULT_ROOT, mps_backend_from_env
     from node_agent.nvml import backend_from_env
 
@@ -113,6 +121,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     backend = backend_from_env(node_name=args.node_name)
     mps = mps_backend_from_env(
         root=Path(args.mps_root) if args.mps_root else DEFAULT_ROOT, node_name=args.node_name
+    )
+    socket = (
+        DEFAULT_POD_RESOURCES_SOCKET
+        if args.pod_resources_socket is None
+        else args.pod_resources_socket
     )
     done = _stop_on_signals()
     with _client(args) as kube:
@@ -124,6 +137,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             plugin_dir=args.plugin_dir or DEFAULT_PLUGIN_DIR,
             mps_backend=mps,
             mps_check_interval_s=args.mps_check_interval,
+            pod_resources=KubeletPodResources(socket) if socket else None,
         ).run(done)
     return 0
 

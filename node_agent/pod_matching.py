@@ -14,8 +14,12 @@ UUIDs of the ids do not decide anything: they are only right when GetPreferredAl
 steered the kubelet to them, which it can only do for the same unique candidate (below), so
 matching on them would add no certainty. Applied here:
 
-- Exactly one match: that pod. Several, or a candidate whose annotations cannot be read
-  (it might be the one): the request is ambiguous and Allocate fails with
+- Exactly one match: that pod. Several that are all interchangeable (the contract's rule 4:
+  one GPU container each, entries equal but for their GPUs, same selectors, resources and
+  HAMi-core switch): the one whose GPUs the request's ids name (else the first), its
+  ``siblings`` naming the others, for the correction from the kubelet's PodResources
+  (``node_agent.identities``). Otherwise several, or a candidate whose annotations cannot
+  be read (it might be the one): the request is ambiguous and Allocate fails with
   ``AmbiguousPodError`` instead of guessing. Pods are reported in kubelet admission order
   (``hami.io/bind-time``, then creation time).
 - GetPreferredAllocation (``preferred_gpus``) applies the same rule to its
@@ -29,10 +33,12 @@ to-allocate entry, never from the request's ids or from another pod.
 
 What it cannot tell apart: two allocating pods on one node whose next containers ask the
 same device count, whatever their GPUs (e.g. both ``nvidia.com/gpu: 1``, one on GPU-A and
-one on GPU-B). Pods whose next containers ask different device counts are told apart and
-bind concurrently on one node. ``api.hami.matching.ambiguous`` says whether two pods could ever
-be in that situation (any of their remaining containers asks the same count), so the scheduler
-keeps exactly such pairs from being allocating on one node at the same time.
+one on GPU-B), unless they are interchangeable. Pods whose next containers ask different
+device counts are told apart and bind concurrently on one node, and so do interchangeable
+ones (replicas of one workload). ``api.hami.matching.ambiguous`` says whether two pods could
+ever be in that situation (any of their remaining containers asks the same count and they
+are not interchangeable), so the scheduler keeps exactly such pairs from being allocating on
+one node at the same time.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import Any
 
 from api.errors import TemporaryError
 from api.hami.keys import BIND_PHASE
-from api.hami.matching import Match, asking
+from api.hami.matching import Match, asking, choose
 from node_agent.deviceplugin.ids import gpu_of
 
 
@@ -75,6 +81,9 @@ def match_pod(
     matches, unreadable = asking(pods, node_name, size)
     if len(matches) == 1 and not unreadable:
         return matches[0]
+    picked = None if unreadable else choose(matches, wanted)
+    if picked is not None:
+        return picked
     if not matches:
         extra = (
             f"; skipped pods with unreadable annotations: {'; '.join(unreadable)}"
@@ -99,14 +108,18 @@ def preferred_gpus(
     """GPU UUIDs (with multiplicity) GetPreferredAllocation should steer ``size`` ids to.
 
     Those of the next container of the unique candidate whose next container asks ``size``
-    devices; None when there is no such unique candidate (or a candidate is unreadable).
+    devices, or of the first of several interchangeable ones; None when there is no such
+    candidate (or a candidate is unreadable).
     """
     if size <= 0:
         return None
     matches, unreadable = asking(pods, node_name, size)
-    if len(matches) != 1 or unreadable:
+    if unreadable or not matches:
         return None
-    return Counter(d.uuid for d in matches[0].devices)
+    picked = matches[0] if len(matches) == 1 else choose(matches)
+    if picked is None:
+        return None
+    return Counter(d.uuid for d in picked.devices)
 
 
 def _describe(wanted: Counter[str]) -> str:

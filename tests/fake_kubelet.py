@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from api.podresources.v1 import api_pb2 as podresources_pb2
 
 WAIT = 5.0
 
@@ -132,3 +133,60 @@ class FakeKubelet(api_pb2_grpc.RegistrationServicer):
                 conn.thread.join(WAIT)
             conn.channel.close()
         self.path.unlink(missing_ok=True)
+
+
+class FakePodResources:
+    """The kubelet's PodResources ``List`` on a Unix socket: ``held`` says which container of
+    which pod holds which device ids of a resource (what the kubelet records at admission);
+    ``fail`` makes every call answer UNAVAILABLE."""
+
+    def __init__(self, path: Path, resource: str = "nvidia.com/gpu") -> None:
+        self.path = path
+        self.resource = resource
+        self.held: dict[tuple[str, str], list[str]] = {}  # ("ns/name", container) -> ids
+        self.extra: list[podresources_pb2.PodResources] = []  # sent as they are
+        self.fail = False
+        self.calls = 0
+        self._executor = ThreadPoolExecutor(max_workers=2)
+        self._server = grpc.server(self._executor)
+        handler = grpc.method_handlers_generic_handler(
+            "v1.PodResourcesLister",
+            {
+                "List": grpc.unary_unary_rpc_method_handler(
+                    self._list,
+                    request_deserializer=podresources_pb2.ListPodResourcesRequest.FromString,
+                    response_serializer=podresources_pb2.ListPodResourcesResponse.SerializeToString,
+                )
+            },
+        )
+        self._server.add_generic_rpc_handlers((handler,))
+        assert self._server.add_insecure_port(f"unix:{path}") != 0
+        self._server.start()
+
+    def _list(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.calls += 1
+        if self.fail:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet busy")
+        pods: dict[str, list[podresources_pb2.ContainerResources]] = {}
+        for (key, container), ids in self.held.items():
+            pods.setdefault(key, []).append(
+                podresources_pb2.ContainerResources(
+                    name=container,
+                    devices=[
+                        podresources_pb2.ContainerDevices(
+                            resource_name=self.resource, device_ids=ids
+                        )
+                    ],
+                )
+            )
+        out = [
+            podresources_pb2.PodResources(
+                namespace=key.split("/")[0], name=key.split("/")[1], containers=containers
+            )
+            for key, containers in pods.items()
+        ]
+        return podresources_pb2.ListPodResourcesResponse(pod_resources=[*out, *self.extra])
+
+    def stop(self) -> None:
+        self._server.stop(0).wait()
+        self._executor.shutdown(wait=True)

@@ -14,10 +14,20 @@ keeps two pods it could not tell apart from allocating on one node at the same t
 3. A candidate matches a request of ``n`` device ids when its next container asks ``n``
    devices; candidates are taken in kubelet admission order (``hami.io/bind-time``, then
    creation time).
+4. Several matches are *interchangeable* when they share one ``interchange_key``: each has a
+   single GPU container (hami-core or MPS, no MIG reservation) whose entry differs from the
+   others' only in its GPU UUIDs, and the same GPU selectors and container resources and
+   HAMi-core switches. Any of them may be handed the request: whichever pod the kubelet is
+   admitting gets limits and settings equal to its own, and the per-GPU sums the scheduler
+   counts do not change. The node agent hands out the one whose GPUs the request's ids name
+   and later corrects the recorded GPUs from the kubelet's PodResources (which pod holds
+   which ids); the scheduler lets such pods allocate on one node at once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,8 +40,21 @@ from api.hami.devices import (
     decode_bind_time,
     decode_devices,
 )
-from api.hami.keys import BIND_PHASE, BIND_TIME, DEVICES_TO_ALLOCATE, VGPU_NODE
-from api.kube.objects import annotations_of, as_object, finished, pod_key
+from api.hami.keys import (
+    BIND_PHASE,
+    BIND_TIME,
+    DEVICES_ALLOCATED,
+    DEVICES_TO_ALLOCATE,
+    MIG_ALLOCATIONS,
+    NOUSE_GPUTYPE,
+    NOUSE_GPUUUID,
+    NUMA_BIND,
+    USE_GPUTYPE,
+    USE_GPUUUID,
+    VGPU_MODE,
+    VGPU_NODE,
+)
+from api.kube.objects import all_containers, annotations_of, as_object, finished, pod_key
 
 
 @dataclass(frozen=True)
@@ -42,6 +65,8 @@ class Match:
     key: str  # namespace/name
     container_index: int
     devices: ContainerDevices
+    # The other candidates this one was chosen among (interchangeable with it, rule 4).
+    siblings: tuple[str, ...] = ()
 
 
 def is_candidate(pod: Mapping[str, Any], node_name: str) -> bool:
@@ -87,16 +112,25 @@ def admission_order(pod: Mapping[str, Any]) -> tuple[float, str, str]:
     return bind_time, created, pod_key(pod)
 
 
-def ambiguous(pod_a_annotations: Mapping[str, str], pod_b_annotations: Mapping[str, str]) -> bool:
-    """Could an Allocate for one of these pods be mistaken for the other on one node?
+def ambiguous(
+    pod_a_annotations: Mapping[str, str],
+    pod_b_annotations: Mapping[str, str],
+    *,
+    keys: tuple[str | None, str | None] = (None, None),
+) -> bool:
+    """Could an Allocate for one of these pods be mistaken for the other on one node, with
+    a different outcome?
 
     Pure, for the scheduler: True when some not-yet-allocated container of one pod asks
     the same number of devices as some not-yet-allocated container of the other, whatever
-    their GPUs (the kubelet's request only shows the count). Every remaining container
-    counts, not just the next one, because each pod's next container moves on as the
-    kubelet admits it. Unreadable annotations count as ambiguous (the safe answer is to
-    serialize).
+    their GPUs (the kubelet's request only shows the count), unless the two are
+    interchangeable (``keys``: their ``interchange_key``s, equal and not None). Every
+    remaining container counts, not just the next one, because each pod's next container
+    moves on as the kubelet admits it. Unreadable annotations count as ambiguous (the safe
+    answer is to serialize).
     """
+    if interchangeable(*keys):
+        return False
     try:
         a = to_allocate(pod_a_annotations)
         b = to_allocate(pod_b_annotations)
@@ -104,6 +138,62 @@ def ambiguous(pod_a_annotations: Mapping[str, str], pod_b_annotations: Mapping[s
         return True
     counts_a = {len(c) for c in a if c}
     return any(len(c) in counts_a for c in b if c)
+
+
+def interchangeable(key_a: str | None, key_b: str | None) -> bool:
+    return key_a is not None and key_a == key_b
+
+
+# What the node agent's Allocate answer depends on besides the entry: the GPU selectors
+# (so either pod may stand on the other's GPUs), and per container its resources (memory,
+# cores, task priority) and HAMi-core's switch.
+_SELECTORS = (USE_GPUTYPE, NOUSE_GPUTYPE, USE_GPUUUID, NOUSE_GPUUUID, NUMA_BIND, VGPU_MODE)
+_CONTROL_ENV = "CUDA_DISABLE_CONTROL"
+
+
+def interchange_key(
+    pod: Mapping[str, Any], bind_annotations: Mapping[str, str] | None = None
+) -> str | None:
+    """What makes a pod interchangeable with another on its node (rule 4), as a string equal
+    for interchangeable pods; None when the pod may not be swapped with any.
+
+    ``bind_annotations`` (the scheduler's, before they are on the pod) override the pod's.
+    None unless the pod has exactly one GPU container, not yet allocated, without MIG
+    reservation, and everything read parses."""
+    ann = {**annotations_of(pod), **(bind_annotations or {})}
+    if ann.get(MIG_ALLOCATIONS):
+        return None
+    try:
+        held = decode_devices(ann.get(DEVICES_ALLOCATED, ""))
+        pending = to_allocate(ann)
+    except InvalidAnnotationError:
+        return None
+    gpu = [i for i, c in enumerate(held) if c]
+    if len(gpu) != 1 or len(pending) != len(held) or pending[gpu[0]] != held[gpu[0]]:
+        return None
+    ci = gpu[0]
+    containers = all_containers(pod)
+    if ci >= len(containers):
+        return None
+    container = containers[ci]
+    env = container.get("env")
+    control = [
+        e.get("value")
+        for e in (env if isinstance(env, list) else [])
+        if isinstance(e, Mapping) and e.get("name") == _CONTROL_ENV
+    ]
+    shape = {
+        "container": ci,
+        "devices": [[d.vendor, d.mem, d.cores, d.legacy] for d in held[ci]],
+        "selectors": [ann.get(k) for k in _SELECTORS],
+        "resources": container.get("resources"),
+        "control": control,
+    }
+    try:
+        text = json.dumps(shape, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def asking(
@@ -123,3 +213,26 @@ def asking(
         if nxt is not None and len(nxt[1]) == size:
             matches.append(Match(pod, key, nxt[0], nxt[1]))
     return matches, unreadable
+
+
+def choose(matches: list[Match], gpus: Mapping[str, int] | None = None) -> Match | None:
+    """One of several ``matches`` when they are all interchangeable (rule 4), else None:
+    the first (admission order) whose GPUs are ``gpus`` (with multiplicity; the request's
+    ids), else the first. Its ``siblings`` name the others."""
+    if len(matches) < 2:
+        return None
+    first = interchange_key(matches[0].pod)
+    if first is None or any(interchange_key(m.pod) != first for m in matches[1:]):
+        return None
+    chosen = matches[0]
+    if gpus is not None:
+        wanted = dict(gpus)
+        for m in matches:
+            have: dict[str, int] = {}
+            for d in m.devices:
+                have[d.uuid] = have.get(d.uuid, 0) + 1
+            if have == wanted:
+                chosen = m
+                break
+    siblings = tuple(m.key for m in matches if m is not chosen)
+    return Match(chosen.pod, chosen.key, chosen.container_index, chosen.devices, siblings)

@@ -39,7 +39,7 @@ import structlog
 from api.errors import InvalidInputError
 from api.hami import keys as ann
 from api.hami.config import DeviceConfig
-from api.hami.matching import is_candidate, to_allocate
+from api.hami.matching import interchange_key, interchangeable, is_candidate, to_allocate
 from api.kube.objects import (
     all_containers,
     annotations_of,
@@ -73,6 +73,7 @@ class Claim:
     node: str
     annotations: Mapping[str, str]
     at: float
+    interchange: str | None = None  # ``api.hami.matching.interchange_key`` of the pod
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ class ClusterCache:
         # node -> pod key -> annotations, for pods the node agent sees as allocating there.
         self._allocating: dict[str, dict[str, Mapping[str, str]]] = {}
         self._allocating_node: dict[str, str] = {}
+        # pod key -> its interchange_key, for the pods of ``_allocating``.
+        self._interchange: dict[str, str | None] = {}
         self._claims: dict[str, Claim] = {}
         self._claims_on: dict[str, dict[str, Claim]] = {}  # node -> pod key -> claim
         # PreBinds waiting for a node wait on its own condition: a change on one node wakes
@@ -405,6 +408,7 @@ class ClusterCache:
         if node and bound and is_candidate(pod, node):
             self._allocating.setdefault(node, {})[key] = dict(annotations)
             self._allocating_node[key] = node
+            self._interchange[key] = interchange_key(pod)
         claim = self._claims.get(key)
         if (
             claim is not None
@@ -433,6 +437,7 @@ class ClusterCache:
         return out
 
     def _drop_allocating(self, key: str) -> str | None:
+        self._interchange.pop(key, None)
         node = self._allocating_node.pop(key, None)
         if node is not None:
             per_node = self._allocating.get(node, {})
@@ -511,9 +516,16 @@ class ClusterCache:
 
     # ----- bind claims -------------------------------------------------------------------
 
-    def blocking(self, node: str, key: str, annotations: Mapping[str, str]) -> list[str]:
+    def blocking(
+        self,
+        node: str,
+        key: str,
+        annotations: Mapping[str, str],
+        interchange: str | None = None,
+    ) -> list[str]:
         """Pods allocating on ``node`` that the node agent could not tell from ``key``
-        (``pod_matching.ambiguous``, with the parsed counts cached)."""
+        (``pod_matching.ambiguous``, with the parsed counts cached): not those
+        interchangeable with it (``interchange``: its ``interchange_key``)."""
         with self.lock:
             others = self.allocating(node)
             others.pop(key, None)
@@ -521,9 +533,18 @@ class ClusterCache:
             return sorted(
                 k
                 for k, a in others.items()
-                if wanted is None
-                or _clash(_remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), wanted)
+                if (
+                    wanted is None
+                    or _clash(_remaining_counts(a.get(ann.DEVICES_TO_ALLOCATE, "")), wanted)
+                )
+                and not interchangeable(interchange, self._interchange_of(k))
             )
+
+    def _interchange_of(self, key: str) -> str | None:
+        claim = self._claims.get(key)
+        if claim is not None:
+            return claim.interchange
+        return self._interchange.get(key)
 
     def busy_nodes(self, counts: frozenset[int]) -> dict[str, int]:
         """Nodes where a pod whose GPU containers ask ``counts`` devices would wait at
@@ -614,10 +635,16 @@ class ClusterCache:
             for c in entry[1]:
                 self._busy_add(c, node, 1)
 
-    def claim(self, key: str, node: str, annotations: Mapping[str, str]) -> None:
+    def claim(
+        self,
+        key: str,
+        node: str,
+        annotations: Mapping[str, str],
+        interchange: str | None = None,
+    ) -> None:
         with self.lock:
             before = self._drop_claim(key)
-            claim = Claim(node, dict(annotations), self._clock())
+            claim = Claim(node, dict(annotations), self._clock(), interchange)
             self._claims[key] = claim
             self._claims_on.setdefault(node, {})[key] = claim
             self._refresh_inflight(key)

@@ -37,6 +37,7 @@ import structlog
 from api.errors import TemporaryError as _Temporary
 from api.errors import TesseraError
 from api.hami import keys as ann
+from api.hami.matching import interchange_key
 from api.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
 from scheduler_plugins.core import ranking
 from scheduler_plugins.core.binding import bind_annotations, bind_labels
@@ -173,6 +174,9 @@ class _Cached:
 @dataclass
 class _Reservation:
     plan: PodPlan
+    # The pod as PreFilter saw it (metadata, spec): what makes it interchangeable with
+    # another allocating pod of the node (``api.hami.matching.interchange_key``).
+    pod: Mapping[str, Any] = field(default_factory=dict)
     # What PreBind wrote or handed to the shim's Binding, for Unreserve to take back.
     patched: dict[str, str] | None = None
     writing: dict[str, str] | None = None  # what PreBind is writing now (patch in flight)
@@ -214,6 +218,7 @@ class Reservations:
         self._decisions: OrderedDict[str, _Cached] = OrderedDict()
         # The last PreFilter's request of each pod, with its decision's id.
         self._requests: OrderedDict[str, tuple[int, PodRequest]] = OrderedDict()
+        self._pods: OrderedDict[str, Mapping[str, Any]] = OrderedDict()  # ... and its pod
         self._reservations: dict[str, _Reservation] = {}
         self._reserved_as: dict[str, str] = {}  # pod key -> ident of its reservation
         # Pods whose bind failed after PreBind wrote their annotations, which could not be
@@ -285,6 +290,7 @@ class Reservations:
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
             _put(self._requests, ident, (decision_id, req))
+            _put(self._pods, ident, {"metadata": meta, "spec": spec})
         if not names:
             log.info("unschedulable", pod=req.key, reason=why)
         return Offer(
@@ -374,7 +380,7 @@ class Reservations:
             )
             self._cache.assume(alloc, _device_counts(req))
             self._on_reserved(alloc.key)
-            res = self._reservations[ident] = _Reservation(plan)
+            res = self._reservations[ident] = _Reservation(plan, self._pods.get(ident, {}))
             self._reserved_as[key] = ident
             handed = self._hand_over_now(key, res) if hand_over else None
         log.info("reserved", pod=key, node=node, handed_over=handed is not None, trial=trial)
@@ -424,7 +430,9 @@ class Reservations:
             raise ScheduleAgain(f"pod {key} is reserved on node {res.plan.node}, not {node}")
         annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
         with self._spans.span("prebind.wait"):
-            self._wait_and_claim(call, key, node, annotations)
+            self._wait_and_claim(
+                call, key, node, annotations, interchange_key(res.pod, annotations)
+            )
         with self._cache.lock:
             if res.cancelled:  # unreserved while this PreBind waited: write nothing
                 self._cache.release_claim(key)
@@ -478,9 +486,10 @@ class Reservations:
         the shim's Binding; it then skips PreBind (one RPC less per pod). None: PreBind
         waits as usual."""
         annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
-        if self._cache.blocking(res.plan.node, key, annotations):
+        interchange = interchange_key(res.pod, annotations)
+        if self._cache.blocking(res.plan.node, key, annotations, interchange):
             return None
-        self._cache.claim(key, res.plan.node, annotations)
+        self._cache.claim(key, res.plan.node, annotations, interchange)
         res.patched = annotations  # from now on they may be on the pod
         return Handed(annotations, bind_labels(res.plan))
 
@@ -648,7 +657,14 @@ class Reservations:
         log.warning("cannot remove bind annotations: the pod keeps changing", pod=key, node=node)
         return False
 
-    def _wait_and_claim(self, call: Call, key: str, node: str, annotations: dict[str, str]) -> None:
+    def _wait_and_claim(
+        self,
+        call: Call,
+        key: str,
+        node: str,
+        annotations: dict[str, str],
+        interchange: str | None,
+    ) -> None:
         """Claim the node for ``annotations`` once no ambiguous pod is allocating there."""
         start = self._clock()
         budget = self._prebind_wait_s
@@ -660,9 +676,9 @@ class Reservations:
         with self._cache.lock:
             try:
                 while True:
-                    blockers = self._cache.blocking(node, key, annotations)
+                    blockers = self._cache.blocking(node, key, annotations, interchange)
                     if not blockers:
-                        self._cache.claim(key, node, annotations)
+                        self._cache.claim(key, node, annotations, interchange)
                         if waiting:
                             log.info(
                                 "done waiting",
@@ -711,6 +727,7 @@ class Reservations:
         if ident is not None:
             self._reservations.pop(ident, None)
             self._requests.pop(ident, None)
+            self._pods.pop(ident, None)
 
 
 def _device_counts(req: PodRequest) -> frozenset[int]:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.devices import (
     DeviceAlloc,
     MigAllocation,
+    decode_devices,
     decode_mig_allocations,
     encode_devices,
     encode_mig_allocations,
@@ -43,12 +45,13 @@ from api.hami.register import GpuDevice, Placement, decode
 from api.kube.client import KubeClient
 from api.kube.errors import NotFoundError
 from node_agent.agent import NodeAgent
+from node_agent.identities import KubeletPodResources
 from node_agent.mig_manager import InstanceKey
 from node_agent.nvml.errors import Uninitialized
 from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 from node_agent.registration import HANDSHAKE
 from scheduler_plugins.devtools.cluster.testing import ClusterClient
-from tests.fake_kubelet import FakeKubelet, PluginConnection
+from tests.fake_kubelet import FakeKubelet, FakePodResources, PluginConnection
 from tests.waiting import eventually as _eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leaked_threads")]
@@ -128,7 +131,9 @@ class Running:
             raise self.error
 
 
-def start_agent(node: str, backend: SimulatedNvml, api: KubeClient, plugin_dir: Path) -> Running:
+def start_agent(
+    node: str, backend: SimulatedNvml, api: KubeClient, plugin_dir: Path, **extra: Any
+) -> Running:
     agent = NodeAgent(
         node,
         api,
@@ -140,6 +145,7 @@ def start_agent(node: str, backend: SimulatedNvml, api: KubeClient, plugin_dir: 
         register_interval_s=30,
         plugin_retry_s=0.2,
         plugin_watch_interval_s=0.1,
+        **extra,
     )
     running = Running(agent)
     try:
@@ -341,9 +347,10 @@ def test_shared_node_steers_binds_count_distinct_pods_concurrently_and_pushes_he
             ann = pod_annotations(api, pod)
             assert (ann[BIND_PHASE], ann[DEVICES_TO_ALLOCATE]) == ("success", ";")
 
-        # Two pods whose next containers ask the same count: no steering, no guessing.
+        # Two pods whose next containers ask the same count, and other memory: no steering,
+        # no guessing.
         api.post(PODS, scheduled_pod("run-same-a", shared_node, [[(g0, 1000, 10)]], []))
-        api.post(PODS, scheduled_pod("run-same-b", shared_node, [[(g1, 1000, 10)]], []))
+        api.post(PODS, scheduled_pod("run-same-b", shared_node, [[(g1, 1500, 10)]], []))
         assert conn.preferred(left, 1) == [f"{g0}-1"]  # the spread choice
         with pytest.raises(grpc.RpcError) as err:
             conn.allocate([f"{g1}-2"])
@@ -365,6 +372,60 @@ def test_shared_node_steers_binds_count_distinct_pods_concurrently_and_pushes_he
         running.close()
     assert not running.agent.socket_path.exists()
     assert running.agent.mig_manager is None  # hami-core nodes never touch MIG
+
+
+def test_interchangeable_pods_allocate_at_once_and_their_gpus_follow_the_kubelets_record(
+    api: KubeClient, shared_node: str, plugin_dir: Path, kubelet: FakeKubelet
+) -> None:
+    """Two replicas on one node, allocating together: the kubelet admits the second first,
+    Allocate hands it the first's entry (the pods are alike), and once the kubelet's
+    PodResources shows who holds which ids, each pod records the GPU it really got."""
+    specs = [SimulatedGpuSpec(A100, mig_enabled=False)] * 2
+    backend = SimulatedNvml(specs, None, node_name=shared_node)
+    with tempfile.TemporaryDirectory(prefix="podres-") as d:
+        podres = FakePodResources(Path(d) / "kubelet.sock")
+        running = start_agent(
+            shared_node,
+            backend,
+            api,
+            plugin_dir,
+            pod_resources=KubeletPodResources(str(podres.path)),
+            identity_check_s=0.05,
+        )
+        try:
+            conn = kubelet.next_connection()
+            ids = all_ids(conn)
+            g0, g1 = (dev.id for dev in registered(api, shared_node))
+            api.post(PODS, scheduled_pod("rep-a", shared_node, [[(g0, 1000, 10)]], []))
+            api.post(PODS, scheduled_pod("rep-b", shared_node, [[(g1, 1000, 10)]], []))
+            # The kubelet admits rep-b: GetPreferredAllocation names one replica's GPU.
+            first = conn.preferred(ids, 1)
+            gpu_first = first[0].rsplit("-", 1)[0]
+            envs = dict(conn.allocate(first).envs)
+            assert envs["NVIDIA_VISIBLE_DEVICES"] == gpu_first
+            assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
+            second = conn.preferred([i for i in ids if i not in first], 1)
+            gpu_second = second[0].rsplit("-", 1)[0]
+            assert {gpu_first, gpu_second} == {g0, g1}
+            conn.allocate(second)
+            for pod in ("rep-a", "rep-b"):
+                assert pod_annotations(api, pod)[BIND_PHASE] == "success"
+            # The kubelet recorded rep-b's container with the first ids, rep-a's the second.
+            podres.held = {("default/rep-b", "c0"): first, ("default/rep-a", "c0"): second}
+
+            def gpus(pod: str) -> list[str]:
+                devices = decode_devices(pod_annotations(api, pod)[DEVICES_ALLOCATED])
+                return [dev.uuid for c in devices for dev in c]
+
+            eventually(
+                lambda: gpus("rep-b") == [gpu_first] and gpus("rep-a") == [gpu_second],
+                what="recorded GPUs follow the kubelet's record",
+            )
+            identities = running.agent.identities
+            assert identities is not None and not identities.pending()
+        finally:
+            running.close()
+            podres.stop()
 
 
 def test_agent_waits_for_the_kubelet_and_stops_cleanly_without_one(

@@ -232,7 +232,7 @@ def test_unsteered_ids_still_get_the_only_pods_own_devices(backend: SimulatedNvm
 def test_same_count_pods_on_different_gpus_are_ambiguous(backend: SimulatedNvml) -> None:
     kube = FakeKube()
     p = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
-    q = kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    q = kube.add_pod(make_pod("q", devices=[[(G1, 2000, 10)]]))
     alloc, _ = allocator(kube, backend)
     with pytest.raises(AmbiguousPodError, match="default/p, default/q"):
         alloc.allocate([[f"{G0}-0"]])
@@ -263,7 +263,7 @@ def test_preferred_falls_back_to_spread_without_a_unique_candidate(
 ) -> None:
     kube = FakeKube()
     kube.add_pod(make_pod("p", devices=[[(G1, 1000, 10)]]))
-    kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    kube.add_pod(make_pod("q", devices=[[(G1, 3000, 10)]]))
     alloc, _ = allocator(kube, backend)
     assert alloc.preferred(SLOTS, [], 1) == prefer_spread(SLOTS, [], 1) == [f"{G0}-0"]
     assert alloc.preferred(SLOTS, [], 2) == [f"{G0}-0", f"{G1}-0"]  # nobody asks 2

@@ -980,7 +980,7 @@ def test_own_claim_serializes_ambiguous_prebinds_before_the_watch_catches_up(
     h = h_short_wait
     h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
     h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
-    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=2000).build(), "n")
     h.prebind("p1", "n")
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
@@ -993,7 +993,7 @@ def test_a_prebind_told_to_ask_again_keeps_its_reservation_and_binds_when_asked_
     h = h_short_wait
     h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1), gpu("GPU-2", index=1, count=1)))
     h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
-    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=2000).build(), "n")
     written = dict(h.prebind("p1", "n").annotations)
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
@@ -1030,7 +1030,7 @@ def test_own_claim_holds_until_the_pod_is_seen_bound(h_short_wait: Harness) -> N
     h = h_short_wait
     h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
     h.schedule(make_pod("p1").gpu(1, mem=1000).build(), "n")
-    h.schedule(make_pod("p2").gpu(1, mem=1000).build(), "n")
+    h.schedule(make_pod("p2").gpu(1, mem=2000).build(), "n")
     written = dict(h.prebind("p1", "n").annotations)
     p1 = make_pod("p1").gpu(1, mem=1000).build()
     p1["metadata"]["annotations"].update(written)  # the watch shows the patch, not the bind
@@ -1038,6 +1038,29 @@ def test_own_claim_holds_until_the_pod_is_seen_bound(h_short_wait: Harness) -> N
     with pytest.raises(grpc.RpcError) as e:
         h.prebind("p2", "n")
     assert _code(e) == WAIT_ELSEWHERE and "default/p1" in _details(e)
+
+
+def test_interchangeable_pods_allocate_on_one_node_at_once(h_short_wait: Harness) -> None:
+    """Replicas (same request, selectors and container) on one node: the node agent may hand
+    either the other's entry, so neither waits for the other, claimed or watched."""
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", gpu("GPU-1"), gpu("GPU-2", index=1)))
+    for name in ("p1", "p2", "p3"):
+        h.schedule(make_pod(name).gpu(1, mem=1000).build(), "n")
+    written = dict(h.prebind("p1", "n").annotations)
+    t0 = time.monotonic()
+    h.prebind("p2", "n")  # p1 claimed allocating, alike: no wait
+    p1 = make_pod("p1").gpu(1, mem=1000).build()
+    p1["metadata"]["annotations"].update(written)
+    p1["spec"]["nodeName"] = "n"
+    h.cache.apply_pod(p1)  # the watch shows p1 bound and allocating
+    h.prebind("p3", "n")
+    assert time.monotonic() - t0 < 0.4
+    assert len(h.kube.patches) == 3
+    h.schedule(make_pod("other").gpu(1, mem=2000).build(), "n")
+    with pytest.raises(grpc.RpcError) as e:  # another request still waits
+        h.prebind("other", "n")
+    assert _code(e) == WAIT_ELSEWHERE
 
 
 # ----- busy nodes: a burst spreads over node agents instead of queueing behind one ------------

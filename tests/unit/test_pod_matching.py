@@ -8,8 +8,13 @@ from typing import Any
 
 import pytest
 
-from api.hami.keys import DEVICES_TO_ALLOCATE
-from api.hami.matching import ambiguous, next_container
+from api.hami.keys import DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS, USE_GPUTYPE
+from api.hami.matching import (
+    ambiguous,
+    interchange_key,
+    interchangeable,
+    next_container,
+)
 from api.kube.objects import annotations_of
 from node_agent.deviceplugin.ids import InvalidDeviceIdError
 from node_agent.pod_matching import AmbiguousPodError, NoMatchingPodError, match_pod, preferred_gpus
@@ -104,15 +109,63 @@ CASES: list[tuple[str, list[dict[str, Any]], list[str], str | type[Exception], i
     ),
     (
         "ambiguous: same count on different GPUs",
-        [make_pod("p", devices=one(A)), make_pod("q", devices=one(B))],
+        [make_pod("p", devices=one(A)), make_pod("q", devices=[[(B, 2000, 10)]])],
         [f"{B}-0"],
         AmbiguousPodError,
         0,
     ),
     (
         "ambiguous: same GPU set and count",
-        [make_pod("p", devices=one(), bind_time=5), make_pod("q", devices=one(), bind_time=6)],
+        [
+            make_pod("p", devices=one(), bind_time=5),
+            make_pod("q", devices=[[(A, 1000, 20)]], bind_time=6),
+        ],
         [f"{A}-0"],
+        AmbiguousPodError,
+        0,
+    ),
+    (
+        "interchangeable: the one on the ids' GPU",
+        [make_pod("p", devices=one(A)), make_pod("q", devices=one(B))],
+        [f"{B}-0"],
+        "q",
+        0,
+    ),
+    (
+        "interchangeable on one GPU: the first in admission order",
+        [make_pod("p", devices=one(), bind_time=6), make_pod("q", devices=one(), bind_time=5)],
+        [f"{A}-0"],
+        "q",
+        0,
+    ),
+    (
+        "interchangeable, ids on neither GPU: the first in admission order",
+        [make_pod("p", devices=one(A), bind_time=5), make_pod("q", devices=one(A), bind_time=6)],
+        [f"{B}-0"],
+        "p",
+        0,
+    ),
+    (
+        "another selector: not interchangeable",
+        [
+            make_pod("p", devices=one(A)),
+            make_pod("q", devices=one(B), extra_annotations={USE_GPUTYPE: "A100"}),
+        ],
+        [f"{B}-0"],
+        AmbiguousPodError,
+        0,
+    ),
+    (
+        "other container resources: not interchangeable",
+        [
+            make_pod("p", devices=one(A)),
+            make_pod(
+                "q",
+                devices=one(B),
+                containers=[{"name": "c0", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            ),
+        ],
+        [f"{B}-0"],
         AmbiguousPodError,
         0,
     ),
@@ -182,7 +235,7 @@ def test_deleting_and_ended_pods_are_not_candidates() -> None:
 
 def test_ambiguity_error_lists_pods_in_admission_order() -> None:
     pods = [
-        make_pod("late", devices=one(), bind_time=9),
+        make_pod("late", devices=[[(A, 2000, 10)]], bind_time=9),
         make_pod("early", devices=one(), bind_time=3),
     ]
     with pytest.raises(AmbiguousPodError, match="default/early, default/late"):
@@ -196,7 +249,9 @@ def test_malformed_device_id_is_rejected() -> None:
 
 AMBIGUOUS_CASES = [
     ("same single GPU", [[(A, 1, 1)]], [[(A, 5, 50)]], True),
-    ("different GPUs, same count", [[(A, 1, 1)]], [[(B, 1, 1)]], True),
+    ("different GPUs, same count", [[(A, 1, 1)]], [[(B, 2, 1)]], True),
+    ("the same request on another GPU: interchangeable", [[(A, 1, 1)]], [[(B, 1, 1)]], False),
+    ("the same request on the same GPU: interchangeable", [[(A, 1, 1)]], [[(A, 1, 1)]], False),
     ("different counts on different GPUs", [[(A, 1, 1), (B, 1, 1)]], [[(B, 1, 1)]], False),
     (
         "a later container's count collides",
@@ -214,10 +269,32 @@ AMBIGUOUS_CASES = [
     ("name", "a", "b", "expected"), AMBIGUOUS_CASES, ids=[c[0] for c in AMBIGUOUS_CASES]
 )
 def test_ambiguous(name: str, a: Any, b: Any, expected: bool) -> None:
-    pa = annotations_of(make_pod("a", devices=a))
-    pb = annotations_of(make_pod("b", devices=b))
-    assert ambiguous(pa, pb) is expected
-    assert ambiguous(pb, pa) is expected
+    pod_a, pod_b = make_pod("a", devices=a), make_pod("b", devices=b)
+    pa, pb = annotations_of(pod_a), annotations_of(pod_b)
+    ka, kb = interchange_key(pod_a), interchange_key(pod_b)
+    assert ambiguous(pa, pb, keys=(ka, kb)) is expected
+    assert ambiguous(pb, pa, keys=(kb, ka)) is expected
+
+
+def test_interchange_key_needs_one_unallocated_gpu_container_without_mig() -> None:
+    assert interchange_key(make_pod("p", devices=one())) is not None
+    two = make_pod(
+        "p", devices=[[(A, 1, 1)], [(B, 1, 1)]], containers=[{"name": "x"}, {"name": "y"}]
+    )
+    assert interchange_key(two) is None
+    done = make_pod("p", devices=one())
+    done["metadata"]["annotations"][DEVICES_TO_ALLOCATE] = ";"
+    assert interchange_key(done) is None
+    mig = make_pod("p", devices=one(), extra_annotations={MIG_ALLOCATIONS: "[]x"})
+    assert interchange_key(mig) is None
+    bad = make_pod("p", devices=one(), extra_annotations={DEVICES_TO_ALLOCATE: "garbage"})
+    assert interchange_key(bad) is None
+    # The scheduler's bind annotations (not on the pod yet) count as the pod's.
+    bare = make_pod("p", devices=[])
+    assert interchange_key(bare) is None
+    assert interchange_key(bare, annotations_of(make_pod("p", devices=one()))) == interchange_key(
+        make_pod("p", devices=one())
+    )
 
 
 def test_ambiguous_is_true_for_unreadable_annotations() -> None:
@@ -255,12 +332,15 @@ def test_ambiguous_agrees_with_match_pod(name: str, a: Any, b: Any, expected: bo
                 except AmbiguousPodError:
                     refused = True
                     continue
+                if m.key == "default/rival":  # either may be handed out: they are alike
+                    assert interchangeable(interchange_key(pod), interchange_key(rival))
+                    continue
                 assert (m.key, m.container_index) == ("default/mine", done)
     assert refused is expected
 
 
 def test_same_count_next_containers_are_ambiguous_whatever_the_gpus() -> None:
-    p, q = make_pod("p", devices=one(A)), make_pod("q", devices=one(B))
+    p, q = make_pod("p", devices=one(A)), make_pod("q", devices=[[(B, 1000, 30)]])
     assert ambiguous(annotations_of(p), annotations_of(q))
     for ids in ([f"{A}-0"], [f"{B}-0"]):
         with pytest.raises(AmbiguousPodError, match="default/p, default/q"):
@@ -283,8 +363,10 @@ def test_preferred_gpus_of_the_unique_candidate_asking_that_count() -> None:
 
 
 def test_preferred_gpus_none_for_same_count_or_unreadable_candidates() -> None:
-    same = [make_pod("p", devices=one(A)), make_pod("q", devices=one(B))]
+    same = [make_pod("p", devices=one(A)), make_pod("q", devices=[[(B, 5, 5)]])]
     assert preferred_gpus(same, NODE, 1) is None
+    alike = [make_pod("p", devices=one(A), bind_time=7), make_pod("q", devices=one(B), bind_time=4)]
+    assert preferred_gpus(alike, NODE, 1) == Counter({B: 1})  # the first of interchangeable ones
     bad = make_pod("bad", devices=one(), extra_annotations={DEVICES_TO_ALLOCATE: "garbage"})
     assert preferred_gpus([bad, make_pod("p", devices=[[(A, 1, 1), (B, 1, 1)]])], NODE, 2) is None
 

@@ -1,0 +1,1 @@
+"""Kubelet PodResources API (which devices each container was given)."""

@@ -1,0 +1,316 @@
+"""Which pod really holds which GPUs, after Allocate handed out one of interchangeable pods.
+
+When several allocating pods of a node are interchangeable (``api.hami.matching``, rule 4:
+one GPU container each, entries equal but for their GPU UUIDs, same selectors, resources and
+HAMi-core switch), Allocate hands the kubelet's request the entry of the one whose GPUs the
+request's ids name. The container the kubelet was admitting may belong to a sibling: its
+limits and settings are its own either way, but the GPUs recorded in the two pods'
+``hami.io/vgpu-devices-allocated`` are then swapped, and when one of them ends the scheduler
+would free the GPU the other still uses.
+
+The kubelet knows which container got which device ids: its PodResources API
+(``/var/lib/kubelet/pod-resources/kubelet.sock``, ``List``). ``IdentityFixer`` keeps the
+pods of every interchangeable hand-out *pending*, with the GPUs each request's ids were
+given (``handed``); ``check`` lists PodResources and, for each pending pod the kubelet
+already shows, compares the GPUs its container holds with the recorded ones:
+
+- equal: done with that pod;
+- different: the record is corrected in two rounds so that no GPU is ever counted below its
+  real use: first every wrong pod records its old *and* its real GPUs (a GPU is counted at
+  least once by whoever holds it), then each records its real GPUs only. Each write is a
+  merge patch under the pod's resourceVersion (a conflict re-reads at the next check).
+
+A pod the kubelet does not show yet stays pending (checked again at the next ``check``); a
+pod gone from the node is dropped. ``corrections`` is the pure rule.
+
+What is left: the hand-out record is kept in memory, so an agent restarted between a
+hand-out and its check falls back to the GPUs named by the kubelet's ids (right whenever the
+kubelet took GetPreferredAllocation's ids, as it does when they are free), and only for pods
+whose record shows the first round's double entry (an interrupted correction); a swap not
+yet checked when the agent restarts stays as recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import grpc
+import structlog
+
+from api.errors import InvalidAnnotationError, TemporaryError, TesseraError
+from api.hami.devices import ContainerDevices, DeviceAlloc, decode_devices, encode_devices
+from api.hami.keys import DEVICES_ALLOCATED
+from api.kube.errors import ConflictError, KubeError, NotFoundError
+from api.kube.objects import all_containers, annotations_of, as_object, finished, pod_key
+from api.podresources.v1 import api_pb2
+from node_agent.deviceplugin.ids import gpu_of
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_POD_RESOURCES_SOCKET: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"
+_LIST: Final = "/v1.PodResourcesLister/List"
+LIST_TIMEOUT_S: Final = 5.0
+MAX_HANDED: Final = 4096  # hand-outs remembered (oldest forgotten first)
+
+# (pod namespace/name, container name) -> device ids of one resource
+Held = Mapping[tuple[str, str], tuple[str, ...]]
+
+
+class PodResourcesError(TemporaryError):
+    """The kubelet's PodResources API could not be read."""
+
+
+class PodResourcesLister(Protocol):
+    def list(self, resource: str) -> Held: ...
+
+
+class KubeletPodResources:
+    """``List`` of the kubelet's PodResources API over its unix socket."""
+
+    def __init__(self, socket_path: str = DEFAULT_POD_RESOURCES_SOCKET) -> None:
+        self.socket_path = socket_path
+
+    def list(self, resource: str) -> Held:
+        with grpc.insecure_channel(f"unix:{self.socket_path}") as channel:
+            call = channel.unary_unary(
+                _LIST,
+                request_serializer=api_pb2.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=api_pb2.ListPodResourcesResponse.FromString,
+            )
+            try:
+                answer = call(api_pb2.ListPodResourcesRequest(), timeout=LIST_TIMEOUT_S)
+            except grpc.RpcError as e:
+                detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else repr(e)
+                raise PodResourcesError(
+                    f"list pod resources at {self.socket_path}: {detail}"
+                ) from e
+        held: dict[tuple[str, str], tuple[str, ...]] = {}
+        for pod in answer.pod_resources:
+            for container in pod.containers:
+                ids = [
+                    i
+                    for d in container.devices
+                    if d.resource_name == resource
+                    for i in d.device_ids
+                ]
+                if ids:
+                    held[(f"{pod.namespace}/{pod.name}", container.name)] = tuple(ids)
+        return held
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Pod ``pod``'s recorded devices of container ``container``: ``before`` -> ``after``."""
+
+    pod: Mapping[str, Any]
+    key: str
+    container: int
+    before: ContainerDevices
+    after: ContainerDevices
+
+    @property
+    def both(self) -> ContainerDevices:
+        """Old and real devices together (the first round: nothing counted below its use)."""
+        return (*self.before, *self.after)
+
+
+def gpu_container(annotations: Mapping[str, str], *, obj: str = "") -> int | None:
+    """The index of the pod's only GPU container by its recorded devices (None: not one)."""
+    held = decode_devices(annotations.get(DEVICES_ALLOCATED, ""), obj=obj)
+    gpu = [i for i, c in enumerate(held) if c]
+    return gpu[0] if len(gpu) == 1 else None
+
+
+def corrections(
+    pods: Iterable[Mapping[str, Any]],
+    pending: Mapping[str, Callable[[tuple[str, ...]], tuple[str, ...] | None]],
+    held: Held,
+) -> tuple[list[Correction], set[str]]:
+    """What to rewrite, and the pending pods that are settled (right, corrected or gone).
+
+    ``pending``: pod key -> the GPUs (in entry order) a request's ids were really given (None:
+    unknown). A pod whose recorded entry already holds more devices than the kubelet's ids (a
+    first round not followed by its second) is corrected to its real GPUs too."""
+    out: list[Correction] = []
+    settled: set[str] = set()
+    alive: set[str] = set()
+    for pod in pods:
+        key = pod_key(pod)
+        real_of = pending.get(key)
+        if (
+            real_of is None
+            or finished(pod)
+            or as_object(pod.get("metadata")).get("deletionTimestamp")
+        ):
+            continue
+        alive.add(key)
+        ann = annotations_of(pod)
+        try:
+            ci = gpu_container(ann, obj=f"pod {key}")
+            recorded = decode_devices(ann.get(DEVICES_ALLOCATED, ""), obj=f"pod {key}")
+        except InvalidAnnotationError as e:
+            log.warning("identity.unreadable", pod=key, error=str(e))
+            settled.add(key)
+            continue
+        containers = all_containers(pod)
+        if ci is None or ci >= len(containers):
+            settled.add(key)
+            continue
+        ids = held.get((key, str(containers[ci].get("name", ""))))
+        if ids is None:
+            continue  # the kubelet has not recorded it (yet): look again
+        real = real_of(ids)
+        entry = recorded[ci]
+        shape = entry[: len(ids)]
+        if real is None or len(real) != len(shape):
+            settled.add(key)
+            continue
+        if Counter(d.uuid for d in entry) == Counter(real) and len(entry) == len(real):
+            settled.add(key)
+            continue
+        after = tuple(
+            DeviceAlloc(uuid, d.mem, d.cores, d.vendor) for uuid, d in zip(real, shape, strict=True)
+        )
+        out.append(Correction(pod, key, ci, entry, after))
+    settled |= {k for k in pending if k not in alive}
+    return out, settled
+
+
+class IdentityFixer:
+    """Pending interchangeable hand-outs of one node, checked against PodResources."""
+
+    def __init__(
+        self,
+        node_name: str,
+        kube: Any,
+        lister: PodResourcesLister,
+        resource_name: str,
+    ) -> None:
+        self.node_name = node_name
+        self._kube = kube
+        self._lister = lister
+        self._resource = resource_name
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._handed: dict[frozenset[str], tuple[str, ...]] = {}
+        self.wake = threading.Event()
+        self.corrected = 0
+
+    def handed(self, ids: Sequence[str], gpus: Sequence[str], pods: Iterable[str] = ()) -> None:
+        """An Allocate gave the request ``ids`` the entry on ``gpus``; ``pods``: the
+        interchangeable pods it was chosen among (now pending), none when it named its pod."""
+        pods = tuple(pods)
+        with self._lock:
+            self._handed[frozenset(ids)] = tuple(gpus)
+            while len(self._handed) > MAX_HANDED:
+                del self._handed[next(iter(self._handed))]
+            self._pending.update(pods)
+        if pods:
+            self.wake.set()
+
+    def pending(self) -> set[str]:
+        with self._lock:
+            return set(self._pending)
+
+    def adopt(self, pods: Iterable[Mapping[str, Any]]) -> None:
+        """After a restart: pods whose record holds more devices than their one GPU container
+        asks (a correction interrupted between its rounds) are checked again."""
+        found: set[str] = set()
+        for pod in pods:
+            ann = annotations_of(pod)
+            key = pod_key(pod)
+            try:
+                ci = gpu_container(ann, obj=f"pod {key}")
+                entry = decode_devices(ann.get(DEVICES_ALLOCATED, ""))[ci] if ci is not None else ()
+            except InvalidAnnotationError:
+                continue
+            if ci is None:
+                continue
+            asked = _asked(all_containers(pod), ci, self._resource)
+            if asked is not None and len(entry) > asked:
+                found.add(key)
+        if found:
+            with self._lock:
+                self._pending.update(found)
+            self.wake.set()
+
+    def check(self) -> bool:
+        """One look (``IdentityFixer`` above); True when nothing is left pending."""
+        with self._lock:
+            if not self._pending:
+                return True
+            handed = dict(self._handed)
+            keys = set(self._pending)
+
+        def real(ids: tuple[str, ...]) -> tuple[str, ...] | None:
+            known = handed.get(frozenset(ids))
+            if known is not None:
+                return known
+            try:
+                return tuple(gpu_of(i)[0] for i in ids)
+            except TesseraError:
+                return None
+
+        held = self._lister.list(self._resource)
+        answer = self._kube.list("/api/v1/pods", field_selector=f"spec.nodeName={self.node_name}")
+        pods = list(answer.get("items") or [])
+        fixes, settled = corrections(pods, dict.fromkeys(keys, real), held)
+        done: set[str] = set(settled)
+        # Round one: every wrong pod counts its old and its real GPUs; round two: the real.
+        first = [f for f in fixes if self._write(f, f.both, f.pod)]
+        for f in first:
+            if self._write(f, f.after, None):
+                done.add(f.key)
+                self.corrected += 1
+                log.info(
+                    "identity.corrected",
+                    pod=f.key,
+                    node=self.node_name,
+                    container=f.container,
+                    recorded=[d.uuid for d in f.before],
+                    holds=[d.uuid for d in f.after],
+                )
+        with self._lock:
+            self._pending -= done
+            return not self._pending
+
+    def _write(
+        self, fix: Correction, entry: ContainerDevices, pod: Mapping[str, Any] | None
+    ) -> bool:
+        path = f"/api/v1/namespaces/{fix.key.replace('/', '/pods/', 1)}"
+        try:
+            current = pod if pod is not None else self._kube.get(path)
+            meta = as_object(current.get("metadata"))
+            ann = annotations_of(current)
+            recorded = list(decode_devices(ann.get(DEVICES_ALLOCATED, ""), obj=f"pod {fix.key}"))
+            if fix.container >= len(recorded):
+                return False
+            expected = fix.before if pod is not None else fix.both
+            if recorded[fix.container] != expected:
+                return False  # changed since it was read: the next check starts over
+            recorded[fix.container] = entry
+            self._kube.merge_patch(
+                path,
+                {"metadata": {"annotations": {DEVICES_ALLOCATED: encode_devices(tuple(recorded))}}},
+                resource_version=meta.get("resourceVersion"),
+            )
+            return True
+        except (ConflictError, NotFoundError):
+            return False
+        except (KubeError, InvalidAnnotationError) as e:
+            log.warning("identity.write_failed", pod=fix.key, node=self.node_name, error=str(e))
+            return False
+
+
+def _asked(containers: Sequence[Mapping[str, Any]], ci: int, resource: str) -> int | None:
+    if ci >= len(containers):
+        return None
+    limits = as_object(as_object(containers[ci].get("resources")).get("limits"))
+    try:
+        return int(str(limits.get(resource)))
+    except ValueError:
+        return None

@@ -1,0 +1,240 @@
+"""Interchangeable pods: Allocate hands one of them out, and the GPUs recorded for each are
+corrected from the kubelet's PodResources, never counting a GPU below its real use."""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.hami.config import DeviceConfig, NodeConfig
+from api.hami.devices import decode_devices
+from api.hami.keys import BIND_PHASE, DEVICES_ALLOCATED
+from api.podresources.v1 import api_pb2
+from node_agent.allocator import Allocator
+from node_agent.identities import (
+    Held,
+    IdentityFixer,
+    KubeletPodResources,
+    PodResourcesError,
+    corrections,
+)
+from node_agent.mig_manager import MigManager
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from tests.fake_kubelet import FakePodResources
+from tests.node_agent_fakes import FakeKube, make_pod
+
+NODE = "node-a"
+G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
+SLOTS = [f"{g}-{s}" for g in (G0, G1) for s in range(4)]
+RESOURCE = "nvidia.com/gpu"
+
+
+class FakeLister:
+    """What the kubelet's PodResources List shows: (pod key, container) -> device ids."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.calls = 0
+
+    def list(self, resource: str) -> Held:
+        assert resource == RESOURCE
+        self.calls += 1
+        return dict(self.held)
+
+
+class Recording(FakeKube):
+    """Checks after every write that no GPU is recorded by fewer pods than really use it."""
+
+    def __init__(self, users: Mapping[str, int]) -> None:
+        super().__init__()
+        self.users = users
+        self.writes = 0
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any:
+        out = super().merge_patch(path, patch, resource_version=resource_version)
+        self.writes += 1
+        counted: Counter[str] = Counter()
+        for obj in self.objects.values():
+            for entry in decode_devices(obj["metadata"]["annotations"].get(DEVICES_ALLOCATED, "")):
+                counted.update({d.uuid for d in entry})
+        for gpu, n in self.users.items():
+            assert counted[gpu] >= n, f"after write {self.writes}: {gpu} counted {counted[gpu]}"
+        return out
+
+
+@pytest.fixture
+def backend() -> Iterator[SimulatedNvml]:
+    b = SimulatedNvml(
+        [SimulatedGpuSpec("A100-PCIE-40GB", uuid=G0), SimulatedGpuSpec("A100-PCIE-40GB", uuid=G1)],
+        None,
+    )
+    b.init()
+    yield b
+    b.shutdown()
+
+
+def recorded(kube: FakeKube, path: str) -> list[str]:
+    return [d.uuid for c in decode_devices(kube.annotations(path)[DEVICES_ALLOCATED]) for d in c]
+
+
+def setup(kube: FakeKube, backend: SimulatedNvml) -> tuple[Allocator, IdentityFixer, FakeLister]:
+    lister = FakeLister()
+    fixer = IdentityFixer(NODE, kube, lister, RESOURCE)
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "hami-core"),))
+    mig = MigManager(backend, node_name=NODE)
+    alloc = Allocator(NODE, kube, backend, mig, cfg, cache_name=lambda: "x", identities=fixer)
+    return alloc, fixer, lister
+
+
+def test_a_swapped_hand_out_is_corrected_without_undercounting_a_gpu(
+    backend: SimulatedNvml,
+) -> None:
+    kube = Recording({G0: 1, G1: 1})
+    p = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    q = kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    alloc, fixer, lister = setup(kube, backend)
+    # The kubelet admits q first; Allocate cannot tell and hands out p's entry (on G0).
+    first = alloc.preferred(SLOTS, [], 1)
+    assert first == [f"{G0}-0"]
+    [envs] = alloc.allocate([first])
+    assert envs.envs["NVIDIA_VISIBLE_DEVICES"] == G0
+    assert fixer.pending() == {"default/p", "default/q"}
+    second = alloc.preferred([s for s in SLOTS if s not in first], [], 1)
+    assert second == [f"{G1}-0"]
+    alloc.allocate([second])
+    assert kube.annotations(p)[BIND_PHASE] == kube.annotations(q)[BIND_PHASE] == "success"
+    # Not listed by the kubelet yet: nothing to decide, both stay pending.
+    writes = kube.writes
+    assert fixer.check() is False
+    assert kube.writes == writes and fixer.pending() == {"default/p", "default/q"}
+    # The kubelet's record: q's container holds G0's ids, p's holds G1's.
+    lister.held = {("default/q", "c0"): tuple(first), ("default/p", "c0"): tuple(second)}
+    assert fixer.check() is True
+    assert (recorded(kube, p), recorded(kube, q)) == ([G1], [G0])
+    assert fixer.corrected == 2 and not fixer.pending()
+    assert kube.writes == writes + 4  # two rounds, two pods
+    entry = decode_devices(kube.annotations(q)[DEVICES_ALLOCATED])[0][0]
+    assert (entry.mem, entry.cores) == (1000, 10)
+
+
+def test_a_hand_out_that_named_the_right_pod_writes_nothing(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    alloc, fixer, lister = setup(kube, backend)
+    alloc.allocate([[f"{G0}-0"]])
+    alloc.allocate([[f"{G1}-0"]])
+    lister.held = {("default/p", "c0"): (f"{G0}-0",), ("default/q", "c0"): (f"{G1}-0",)}
+    patches = len(kube.patches)
+    assert fixer.check() is True
+    assert len(kube.patches) == patches and fixer.corrected == 0
+
+
+def test_a_unique_pod_is_never_pending(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    kube.add_pod(make_pod("q", devices=[[(G1, 2000, 10)]], bind_time=200))
+    alloc, fixer, lister = setup(kube, backend)
+    kube.objects["/api/v1/namespaces/default/pods/q"]["spec"]["nodeName"] = "elsewhere"
+    alloc.allocate([[f"{G0}-0"]])
+    assert fixer.pending() == set()
+    assert fixer.check() is True and lister.calls == 0  # nothing pending: no List
+
+
+def test_pods_gone_before_the_check_are_dropped(backend: SimulatedNvml) -> None:
+    kube = FakeKube()
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    q = kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    alloc, fixer, _ = setup(kube, backend)
+    alloc.allocate([[f"{G0}-0"]])
+    del kube.objects["/api/v1/namespaces/default/pods/p"]
+    kube.objects[q]["metadata"]["deletionTimestamp"] = "2024-01-01T00:00:05Z"
+    assert fixer.check() is True and fixer.pending() == set()
+
+
+def test_a_correction_interrupted_between_its_rounds_is_finished_after_a_restart() -> None:
+    kube = FakeKube()
+    # p recorded both its old (G0) and real (G1) devices when the agent stopped.
+    half = make_pod("p", devices=[[(G0, 1000, 10), (G1, 1000, 10)]])
+    half["spec"]["containers"][0]["resources"] = {"limits": {RESOURCE: "1"}}
+    p = kube.add_pod(half)
+    whole = make_pod("q", devices=[[(G1, 1000, 10)]])
+    whole["spec"]["containers"][0]["resources"] = {"limits": {RESOURCE: "1"}}
+    kube.add_pod(whole)
+    lister = FakeLister()
+    lister.held = {("default/p", "c0"): (f"{G1}-3",), ("default/q", "c0"): (f"{G1}-1",)}
+    fixer = IdentityFixer(NODE, kube, lister, RESOURCE)  # a new agent: no hand-out record
+    fixer.adopt(kube.list("/api/v1/pods")["items"])
+    assert fixer.pending() == {"default/p"}
+    assert fixer.check() is True
+    assert recorded(kube, p) == [G1]
+
+
+def test_corrections_read_the_kubelets_containers_by_name() -> None:
+    pod = make_pod(
+        "p",
+        devices=[[], [(G0, 1000, 10)]],
+        containers=[{"name": "init"}, {"name": "main"}],
+    )
+    held = {("default/p", "main"): (f"{G1}-0",), ("default/p", "init"): (f"{G0}-9",)}
+    fixes, settled = corrections([pod], {"default/p": lambda ids: (G1,)}, held)
+    assert [(f.key, f.container, [d.uuid for d in f.after]) for f in fixes] == [
+        ("default/p", 1, [G1])
+    ]
+    assert settled == set()
+    unreadable = make_pod("u", devices=[[(G0, 1, 1)]])
+    unreadable["metadata"]["annotations"][DEVICES_ALLOCATED] = "garbage"
+    fixes, settled = corrections([unreadable], {"default/u": lambda ids: (G1,)}, held)
+    assert fixes == [] and settled == {"default/u"}
+
+
+# The PodResources client, against a gRPC server on a unix socket -------------------------------
+
+
+@pytest.fixture
+def podres() -> Iterator[FakePodResources]:
+    with tempfile.TemporaryDirectory(prefix="podres-") as d:
+        server = FakePodResources(Path(d) / "kubelet.sock", RESOURCE)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def test_kubelet_pod_resources_lists_one_resources_ids_per_container(
+    podres: FakePodResources,
+) -> None:
+    podres.held = {("ns/p", "main"): ["a-0", "a-1"]}
+    podres.extra = [
+        api_pb2.PodResources(
+            name="other",
+            namespace="ns",
+            containers=[
+                api_pb2.ContainerResources(
+                    name="x",
+                    devices=[
+                        api_pb2.ContainerDevices(resource_name="other.io/x", device_ids=["x"])
+                    ],
+                ),
+                api_pb2.ContainerResources(name="sidecar"),
+            ],
+        )
+    ]
+    assert KubeletPodResources(str(podres.path)).list(RESOURCE) == {
+        ("ns/p", "main"): ("a-0", "a-1")
+    }
+
+
+def test_kubelet_pod_resources_failure_is_temporary_and_names_the_socket(
+    podres: FakePodResources,
+) -> None:
+    podres.fail = True
+    with pytest.raises(PodResourcesError, match=f"{podres.path}.*UNAVAILABLE: kubelet busy"):
+        KubeletPodResources(str(podres.path)).list(RESOURCE)
