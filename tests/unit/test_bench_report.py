@@ -253,9 +253,15 @@ def test_concurrency_bursts_pick_a100_40gb_nodes_of_each_mode() -> None:
         "d": tuple(_gpu("d", i, "hami-core") for i in range(8)),
     }
     bursts = {label: pods for label, _, pods in concurrency_bursts(regs)}
-    assert set(bursts) == {"mig-7x1g", "fractional-10x", "distinct-counts"}
+    assert set(bursts) == {
+        "mig-7x1g",
+        "fractional-10x",
+        "fractional-10-unequal",
+        "distinct-counts",
+    }
     assert {(p.node, p.gpu_uuid) for p in bursts["mig-7x1g"]} == {("b", "GPU-b-0")}
     assert {(p.node, p.gpu_uuid) for p in bursts["fractional-10x"]} == {("c", "GPU-c-0")}
+    assert {(p.node, p.gpu_uuid) for p in bursts["fractional-10-unequal"]} == {("c", "GPU-c-1")}
     assert [p.gpus for p in bursts["distinct-counts"]] == list(range(1, 9))
     assert {p.node for p in bursts["distinct-counts"]} == {"d"}
     assert concurrency_bursts({"a": regs["a"]}) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -66,6 +67,8 @@ def test_a_zero_weight_kind_never_appears() -> None:
         ("plain=1,mig=3", Mix(plain=1, fractional=0, whole_gpu=0, mig=3)),
         (" fractional = 2 , whole-gpu=0.5 ", Mix(plain=0, fractional=2, whole_gpu=0.5, mig=0)),
         ("plain=1,", Mix(plain=1, fractional=0, whole_gpu=0, mig=0)),
+        ("fractional", Mix(plain=0, fractional=1, whole_gpu=0, mig=0)),
+        (" default ", Mix()),
     ],
 )
 def test_mix_parse(text: str, want: Mix) -> None:
@@ -76,6 +79,7 @@ def test_mix_parse(text: str, want: Mix) -> None:
     ("text", "problem"),
     [
         ("gpu=1", "expected KIND=WEIGHT"),
+        ("replicas", "or a named mix \\(default, fractional\\)"),
         ("plain", "expected KIND=WEIGHT"),
         ("plain=x", "is not a number"),
         ("plain=-1", "must be ≥ 0"),
@@ -91,6 +95,19 @@ def test_mix_parse_rejects(text: str, problem: str) -> None:
 def test_generate_rejects_a_negative_count() -> None:
     with pytest.raises(WorkloadError, match="pod count"):
         generate(-1, seed=1)
+    with pytest.raises(WorkloadError, match="replica templates"):
+        generate(1, seed=1, replicas=-1)
+
+
+def test_replicas_copy_a_few_templates_and_only_fractional_pods() -> None:
+    mix = Mix(plain=1, fractional=3, whole_gpu=0, mig=1)
+    pods = generate(400, seed=5, mix=mix, replicas=3)
+    shape = lambda p: dataclasses.replace(p, name="")  # noqa: E731
+    fractional = {shape(p) for p in pods if p.kind is PodKind.FRACTIONAL}
+    assert len(fractional) == 3
+    assert len({shape(p) for p in pods if p.kind is PodKind.MIG}) > 3
+    assert generate(400, seed=5, mix=mix, replicas=3) == pods
+    assert len({p.name for p in pods}) == 400
 
 
 @pytest.mark.parametrize(
@@ -168,7 +185,10 @@ def test_bursts() -> None:
     mig = mig_burst("m", count=7)
     assert len(mig) == 7 and {(p.mode, p.gpumem_mib, p.node) for p in mig} == {("mig", 4000, "m")}
     frac = fractional_burst("c", "GPU-1", count=10)
-    assert len(frac) == 10
+    assert len(frac) == 10 and len({p.gpumem_mib for p in frac}) == 1
+    unequal = fractional_burst("c", "GPU-1", count=10, equal=False, prefix="u")
+    assert len({p.gpumem_mib for p in unequal}) == 10
+    assert sum(p.gpumem_mib for p in unequal) <= 40960
     assert {(p.gpu_uuid, p.node, p.gpus) for p in frac} == {("GPU-1", "c", 1)}
     assert sum(p.gpucores for p in frac) <= 100 and sum(p.gpumem_mib for p in frac) <= 40960
     counts = distinct_count_burst("c", 8)

@@ -47,7 +47,16 @@ def add_bench_command(
         "--mix",
         metavar="KIND=W,...",
         help="weights of plain, fractional, whole-gpu, mig (default "
-        "plain=0.1,fractional=0.45,whole-gpu=0.15,mig=0.3)",
+        "plain=0.1,fractional=0.45,whole-gpu=0.15,mig=0.3), or a named mix: default, "
+        "fractional (every pod a share of one or two GPUs)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fractional pods are replicas of N templates, as N Deployments' pods are "
+        "(default 0: each pod drawn on its own)",
     )
     p.add_argument("--profile", type=Path, help="node profile YAML (default: built-in 8-GPU mix)")
     p.add_argument(
@@ -186,6 +195,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         pods_per_node=args.pods_per_node,
         seed=args.seed,
         mix=Mix.parse(args.mix) if args.mix else DEFAULT_MIX,
+        replicas=args.replicas,
         profile=load_profile(args.profile) if args.profile else None,
         schedulers=tuple(SchedulerKind(s) for s in args.schedulers),
         node_concurrency=not args.no_node_concurrency,

@@ -152,7 +152,8 @@ def markdown(result: Json, plots: Sequence[str]) -> str:
         "",
         f"Run {result.get('started', '?')} – {result.get('finished', 'unfinished')} on "
         f"{host.get('cpus', '?')} CPUs (load average before {host.get('load_before')}, after "
-        f"{host.get('load_after')}). Seed {opts.get('seed')}, mix {opts.get('mix')}, "
+        f"{host.get('load_after')}). Seed {opts.get('seed')}, mix {opts.get('mix')}"
+        f"{_replicas(opts.get('replicas'))}, "
         f"{opts.get('create_workers')} client threads creating pods "
         f"({_rate(opts.get('rate'))}); Tessera's node policy: "
         f"{opts.get('node_policy') or 'cluster default (binpack)'}; admission webhook: "
@@ -432,8 +433,9 @@ def _concurrency_section(result: Json) -> list[str]:
         "## Node concurrency",
         "",
         "Pods created at once, all aimed at one node (and GPU). Pods whose next containers ask",
-        "the same device count are ambiguous to the node agent, so Tessera binds them one",
-        "after another's allocation; pods asking distinct counts bind without waiting.",
+        "the same device count and are not interchangeable (unequal shares, MIG) are ambiguous",
+        "to the node agent, so Tessera binds them one after another's allocation; equal shares",
+        "(replicas) and pods asking distinct counts bind without waiting.",
         "",
         *_table(
             [
@@ -662,3 +664,7 @@ def write_report(result: Json, out_dir: Path, name: str, *, with_plots: bool = T
     md_path = out_dir / f"{name}.md"
     md_path.write_text(markdown(result, [str(p) for p in pngs]))
     return [json_path, md_path, *pngs]
+
+
+def _replicas(n: object) -> str:
+    return f" (fractional pods: replicas of {n} templates)" if isinstance(n, int) and n else ""

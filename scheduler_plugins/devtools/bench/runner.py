@@ -83,6 +83,7 @@ class BenchOptions:
     pods_per_node: int = 10
     seed: int = 1
     mix: Mix = DEFAULT_MIX
+    replicas: int = 0  # fractional pods copy this many templates (0: each drawn alone)
     profile: NodeProfile | None = None  # None: workload.bench_profile()
     schedulers: tuple[SchedulerKind, ...] = (SchedulerKind.TESSERA, SchedulerKind.STOCK)
     node_concurrency: bool = True
@@ -307,7 +308,11 @@ def _churn(
     """The churn's results, and the pods it marked Succeeded."""
     delete, succeed = churn_pods(list(main.bound), opts.churn_fraction, opts.seed)
     arrivals = generate(
-        len(delete) + len(succeed), seed=opts.seed + 1, mix=opts.mix, prefix="churn"
+        len(delete) + len(succeed),
+        seed=opts.seed + 1,
+        mix=opts.mix,
+        prefix="churn",
+        replicas=opts.replicas,
     )
     ended: list[Ended] = []
     ended_s: list[float] = []
@@ -383,7 +388,7 @@ def _run(opts: BenchOptions, on_phase: Callable[[Json], None] | None) -> Json:
         "runs": [],
     }
     for n in opts.nodes:
-        workload = generate(opts.pod_count(n), seed=opts.seed, mix=opts.mix)
+        workload = generate(opts.pod_count(n), seed=opts.seed, mix=opts.mix, replicas=opts.replicas)
         entry: Json = {"nodes": n, "pods": len(workload), "phases": {}}
         result["runs"].append(entry)
         for kind in opts.schedulers:
@@ -457,6 +462,7 @@ def _options_json(opts: BenchOptions, profile: NodeProfile) -> Json:
         "pods_per_node": opts.pods_per_node,
         "seed": opts.seed,
         "mix": {k.value: w for k, w in opts.mix.weights().items()},
+        "replicas": opts.replicas,
         "schedulers": [k.value for k in opts.schedulers],
         "node_concurrency": opts.node_concurrency,
         "drain_share": opts.drain_share,

@@ -87,6 +87,14 @@ def concurrency_bursts(
                 fractional_burst(core[0], gpu.id),
             )
         )
+    if core and len(regs[core[0]]) > 1:
+        out.append(
+            (
+                "fractional-10-unequal",
+                f"10 unequal hami-core shares of one GPU ({core[0]} GPU 1)",
+                fractional_burst(core[0], regs[core[0]][1].id, prefix="conc-unequal", equal=False),
+            )
+        )
     if len(core) > 1:
         count = len(regs[core[1]])
         out.append(

@@ -11,6 +11,7 @@ one node to time how binds on a single node overlap.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import random
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,7 @@ GPUCORES: Final = "nvidia.com/gpucores"
 HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
 NAME_PREFIX: Final = "bench"
 MAX_PODS: Final = 1_000_000
+MAX_TEMPLATES: Final = 10_000
 
 Obj = dict[str, Any]
 
@@ -74,7 +76,11 @@ class Mix:
 
     @staticmethod
     def parse(text: str) -> Mix:
-        """``"plain=1,fractional=4.5,whole-gpu=1.5,mig=3"``; kinds left out weigh 0."""
+        """``"plain=1,fractional=4.5,whole-gpu=1.5,mig=3"`` (kinds left out weigh 0), or a
+        named mix (``MIXES``)."""
+        named = MIXES.get(text.strip())
+        if named is not None:
+            return named
         by_name = {k.value: f.name for k, f in zip(PodKind, fields(Mix), strict=True)}
         values: dict[str, float] = dict.fromkeys(by_name.values(), 0.0)
         for item in (x.strip() for x in text.split(",")):
@@ -84,7 +90,7 @@ class Mix:
             if not sep or key.strip() not in by_name:
                 raise WorkloadError(
                     f"--mix item {item!r}: expected KIND=WEIGHT with KIND one of "
-                    f"{', '.join(by_name)}"
+                    f"{', '.join(by_name)}, or a named mix ({', '.join(MIXES)})"
                 )
             try:
                 values[by_name[key.strip()]] = float(raw)
@@ -94,6 +100,11 @@ class Mix:
 
 
 DEFAULT_MIX: Final = Mix()
+MIXES: Final[dict[str, Mix]] = {
+    "default": DEFAULT_MIX,
+    # HAMi's most common use: every GPU pod asks a share of one or two GPUs.
+    "fractional": Mix(plain=0.0, fractional=1.0, whole_gpu=0.0, mig=0.0),
+}
 
 
 @dataclass(frozen=True)
@@ -121,19 +132,34 @@ _MEMORY_MIB: Final = (256, 512, 1024, 4096, 8192)
 
 
 def generate(
-    count: int, *, seed: int, mix: Mix = DEFAULT_MIX, prefix: str = NAME_PREFIX
+    count: int,
+    *,
+    seed: int,
+    mix: Mix = DEFAULT_MIX,
+    prefix: str = NAME_PREFIX,
+    replicas: int = 0,
 ) -> tuple[BenchPod, ...]:
-    """``count`` pods named ``<prefix>-00000``…, the same for the same arguments."""
+    """``count`` pods named ``<prefix>-00000``…, the same for the same arguments.
+
+    ``replicas``: fractional pods are copies of that many templates (drawn first), as the
+    replicas of that many Deployments are; 0: each is drawn on its own."""
     if not 0 <= count <= MAX_PODS:
         raise WorkloadError(f"pod count must be in 0..{MAX_PODS}, got {count}")
+    if not 0 <= replicas <= MAX_TEMPLATES:
+        raise WorkloadError(f"replica templates must be in 0..{MAX_TEMPLATES}, got {replicas}")
     rng = random.Random(seed)
+    templates = [_draw("template", PodKind.FRACTIONAL, rng) for _ in range(replicas)]
     kinds = list(mix.weights())
     weights = list(mix.weights().values())
     width = max(5, len(str(max(count - 1, 0))))
     out: list[BenchPod] = []
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]
-        out.append(_draw(f"{prefix}-{i:0{width}d}", kind, rng))
+        name = f"{prefix}-{i:0{width}d}"
+        if templates and kind is PodKind.FRACTIONAL:
+            out.append(dataclasses.replace(rng.choice(templates), name=name))
+        else:
+            out.append(_draw(name, kind, rng))
     return tuple(out)
 
 
@@ -189,15 +215,22 @@ def mig_burst(node: str, *, count: int = 7, prefix: str = "conc-mig") -> tuple[B
 
 
 def fractional_burst(
-    node: str, gpu_uuid: str, *, count: int = 10, prefix: str = "conc-frac"
+    node: str,
+    gpu_uuid: str,
+    *,
+    count: int = 10,
+    prefix: str = "conc-frac",
+    equal: bool = True,
 ) -> tuple[BenchPod, ...]:
-    """``count`` equal shares of one GPU (4000 MiB, 10% cores each), by node and UUID."""
+    """``count`` shares of one GPU (10% cores each), by node and UUID: equal (4000 MiB each,
+    replicas the node agent may interchange) or not (2000, 2100, … MiB: each pod waits for
+    the one before it to be allocated)."""
     return tuple(
         BenchPod(
             f"{prefix}-{i}",
             PodKind.FRACTIONAL,
             gpus=1,
-            gpumem_mib=4000,
+            gpumem_mib=4000 if equal else 2000 + 100 * i,
             gpucores=10,
             mode="hami-core",
             node=node,
