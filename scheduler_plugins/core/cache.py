@@ -81,6 +81,7 @@ class _Assumed:
     node: str
     at: float
     counts: frozenset[int] | None  # device counts of its GPU containers (None: any)
+    interchange: str | None = None  # its interchange_key on that node
 
 
 @functools.lru_cache(maxsize=4096)
@@ -149,12 +150,16 @@ class ClusterCache:
         # never reused), so PreFilter reads every node's count in one gather
         # (``busy_per_node``), and how many there are in all; the slots of the last
         # layout's node names.
-        self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._inflight: dict[str, tuple[str, tuple[int, ...], str | None]] = {}
+        # In-flight pods that are interchangeable with others (their interchange_key):
+        # key -> node -> how many; a pod alike waits for none of them.
+        self._alike: dict[str, dict[str, int]] = {}
         self._slot_of: dict[str, int] = {}
         self._busy_arr: dict[int, npt.NDArray[np.int64]] = {}
         self._busy_total: dict[int, int] = {}
         self._layout_names: tuple[str, ...] | None = None
         self._layout_slots: npt.NDArray[np.intp] = np.zeros(0, np.intp)
+        self._layout_index: dict[str, int] = {}  # built when an exemption needs it
         self._assumed: dict[str, _Assumed] = {}
 
     # ----- change tracking ---------------------------------------------------------------
@@ -495,13 +500,19 @@ class ClusterCache:
 
     # ----- reservations ------------------------------------------------------------------
 
-    def assume(self, alloc: PodAllocation, counts: frozenset[int] | None = None) -> None:
+    def assume(
+        self,
+        alloc: PodAllocation,
+        counts: frozenset[int] | None = None,
+        interchange: str | None = None,
+    ) -> None:
         """Count ``alloc`` at once; ``counts`` are the device counts of the pod's GPU
-        containers (for ``busy_nodes``; None: it clashes with any pod until PreBind)."""
+        containers (for ``busy_nodes``; None: it clashes with any pod until PreBind),
+        ``interchange`` its interchange_key there (pods alike do not wait for it)."""
         with self.lock:
             self._mutating()
             self.state.assume(alloc)
-            self._assumed[alloc.key] = _Assumed(alloc.node, self._clock(), counts)
+            self._assumed[alloc.key] = _Assumed(alloc.node, self._clock(), counts, interchange)
             self._refresh_inflight(alloc.key)
 
     def forget(self, key: str) -> bool:
@@ -564,11 +575,17 @@ class ClusterCache:
                 total += self._busy_arr[c]
             return {node: n for node, slot in self._slot_of.items() if (n := int(total[slot]))}
 
+    def has_alike(self) -> bool:
+        """Some in-flight pod is interchangeable with others (``busy_per_node`` may exempt)."""
+        with self.lock:
+            return bool(self._alike)
+
     def busy_per_node(
-        self, counts: frozenset[int], names: tuple[str, ...]
+        self, counts: frozenset[int], names: tuple[str, ...], interchange: str | None = None
     ) -> npt.NDArray[np.int64] | None:
         """``busy_nodes`` as an array aligned with ``names`` (a layout's node names: the
-        slots of the last names asked are kept); None when no node is busy."""
+        slots of the last names asked are kept), less the in-flight pods interchangeable
+        with a pod whose interchange_key is ``interchange``; None when no node is busy."""
         if not counts:
             return None
         with self.lock:
@@ -579,11 +596,20 @@ class ClusterCache:
                 # First: a new name's slot may grow (replace) the arrays.
                 self._layout_slots = np.fromiter(map(self._slot, names), np.intp, len(names))
                 self._layout_names = names
+                self._layout_index = {}
             slots = self._layout_slots
             arrays = [self._busy_arr[c] for c in wanted]
             out = arrays[0][slots]  # a new array: safe to hand out
             for more in arrays[1:]:
                 out += more[slots]
+            alike = self._alike.get(interchange) if interchange is not None else None
+            if alike:
+                if not self._layout_index:
+                    self._layout_index = {n: i for i, n in enumerate(names)}
+                for node, n in alike.items():
+                    i = self._layout_index.get(node)
+                    if i is not None:
+                        out[i] = max(out[i] - n, 0)  # each counted once, under its one count
             return out
 
     def _slot(self, node: str) -> int:
@@ -608,32 +634,46 @@ class ClusterCache:
         """Re-derive pod ``key``'s entry in the busy index from its overlays: its claim
         (what PreBind wrote) first, else the watch's allocating annotations, else its
         reservation's counts."""
-        entry: tuple[str, tuple[int, ...]] | None = None
+        entry: tuple[str, tuple[int, ...], str | None] | None = None
         claim = self._claims.get(key)
         allocating_on = self._allocating_node.get(key)
         assumed = self._assumed.get(key)
         if claim is not None:
-            entry = (claim.node, _count_keys(_remaining_counts(_to_allocate_of(claim.annotations))))
+            counts = _count_keys(_remaining_counts(_to_allocate_of(claim.annotations)))
+            entry = (claim.node, counts, claim.interchange)
         elif allocating_on is not None:
             annotations = self._allocating.get(allocating_on, {}).get(key, {})
-            entry = (allocating_on, _count_keys(_remaining_counts(_to_allocate_of(annotations))))
+            counts = _count_keys(_remaining_counts(_to_allocate_of(annotations)))
+            entry = (allocating_on, counts, self._interchange.get(key))
         elif assumed is not None:
-            entry = (assumed.node, _count_keys(assumed.counts))
+            entry = (assumed.node, _count_keys(assumed.counts), assumed.interchange)
         if entry is not None and not entry[1]:
             entry = None  # nothing left to allocate: it blocks nobody
         before = self._inflight.get(key)
         if before == entry:
             return
         if before is not None:
-            node = before[0]
-            for c in before[1]:
+            node, counts, alike = before
+            for c in counts:
                 self._busy_add(c, node, -1)
+            if alike is not None:
+                per_node = self._alike[alike]
+                per_node[node] -= 1
+                if not per_node[node]:
+                    del per_node[node]
+                    if not per_node:
+                        del self._alike[alike]
             del self._inflight[key]
         if entry is not None:
             self._inflight[key] = entry
-            node = entry[0]
-            for c in entry[1]:
+            node, counts, alike = entry
+            for c in counts:
                 self._busy_add(c, node, 1)
+            if alike is not None and len(counts) == 1:
+                per_node = self._alike.setdefault(alike, {})
+                per_node[node] = per_node.get(node, 0) + 1
+            elif alike is not None:
+                self._inflight[key] = (node, counts, None)  # one count each, or none alike
 
     def claim(
         self,

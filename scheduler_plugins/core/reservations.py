@@ -263,7 +263,9 @@ class Reservations:
                 decision.score,
                 decision.preference,
                 decision.layout.name_rank,
-                self._waits(req, decision) if limit and feasible.size else None,
+                self._waits(req, decision, {"metadata": meta, "spec": spec})
+                if limit and feasible.size
+                else None,
                 limit,
             )
             scores: list[int] = decision.preference.kube_scores(decision.score[offered]).tolist()
@@ -378,9 +380,11 @@ class Reservations:
             alloc = plan.allocation(
                 req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
             )
-            self._cache.assume(alloc, _device_counts(req))
+            pod = self._pods.get(ident, {})
+            alike = interchange_key(pod, bind_annotations(plan, bind_time=0)) if pod else None
+            self._cache.assume(alloc, _device_counts(req), alike)
             self._on_reserved(alloc.key)
-            res = self._reservations[ident] = _Reservation(plan, self._pods.get(ident, {}))
+            res = self._reservations[ident] = _Reservation(plan, pod)
             self._reserved_as[key] = ident
             handed = self._hand_over_now(key, res) if hand_over else None
         log.info("reserved", pod=key, node=node, handed_over=handed is not None, trial=trial)
@@ -569,13 +573,20 @@ class Reservations:
         _check_same_pod(decision.request.key, key, ident)
         return decision
 
-    def _waits(self, req: PodRequest, decision: Decision) -> Any:
+    def _waits(self, req: PodRequest, decision: Decision, pod: Mapping[str, Any]) -> Any:
         """Per node of the decision, how many in-flight pods PreBind of ``req`` would wait for
-        there (the node agent could not tell them apart); None when no node is busy. One
-        numpy gather per device count from the cache's busy arrays: no Python work per node
-        (mapping a thousand busy node names to segments per call was 4% of the server's CPU
-        in a 1000-node drain)."""
-        return self._cache.busy_per_node(_device_counts(req), decision.layout.names)
+        there (the node agent could not tell them apart; not those interchangeable with it,
+        by its plan on a feasible node); None when no node is busy. One numpy gather per
+        device count from the cache's busy arrays: no Python work per node (mapping a
+        thousand busy node names to segments per call was 4% of the server's CPU in a
+        1000-node drain)."""
+        interchange = None
+        if len(req.containers) == 1 and self._cache.has_alike():
+            first = int(np.flatnonzero(decision.feasible)[0])
+            plan = decision.plan_for(decision.layout.names[first])
+            if plan is not None:
+                interchange = interchange_key(pod, bind_annotations(plan, bind_time=0))
+        return self._cache.busy_per_node(_device_counts(req), decision.layout.names, interchange)
 
     def _refuse_bound(self, key: str) -> None:
         """A pod the watch shows bound is not reserved or annotated again: the scheduler

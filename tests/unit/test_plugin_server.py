@@ -1091,7 +1091,7 @@ def test_a_node_busy_with_an_indistinguishable_pod_is_left_out_while_others_fit(
     if stage == "allocating":
         h.cache.apply_pod(_allocating("q", "n1", [("GPU-11", 1000, 0)]))
     else:
-        h.schedule(make_pod("q").gpu(1, mem=1000).build(), "n1")
+        h.schedule(make_pod("q").gpu(1, mem=1500).build(), "n1")
         if stage == "claimed":
             h.prebind("q", "n1")
     r = h.prefilter(make_pod("p").gpu(1, mem=1000).build(), limit=LIMIT)
@@ -1127,7 +1127,25 @@ def test_once_every_node_is_busy_the_shortest_queue_wins(h: Harness) -> None:
     _two_nodes_n1_fuller(h)
     for name, node in (("q1", "n1"), ("q2", "n1"), ("q3", "n2")):
         h.schedule(make_pod(name).gpu(1, mem=1000).build(), node)
-    assert list(_offered(h, make_pod("p").gpu(1, mem=1000).build())) == ["n2"]
+    assert list(_offered(h, make_pod("p").gpu(1, mem=1200).build())) == ["n2"]
+
+
+@pytest.mark.parametrize("stage", ["reserved", "claimed"])
+def test_replicas_are_not_kept_off_a_node_busy_with_their_alike(h: Harness, stage: str) -> None:
+    """Interchangeable pods never wait for each other: a burst of replicas binpacks onto
+    the node its alike are allocating on, and only other pods of the count go elsewhere."""
+    _two_nodes_n1_fuller(h)
+    h.schedule(make_pod("q1").gpu(1, mem=1000).build(), "n1")
+    if stage == "claimed":
+        h.prebind("q1", "n1")
+    assert list(_offered(h, make_pod("replica").gpu(1, mem=1000).build())) == ["n1", "n2"]
+    assert list(_offered(h, make_pod("other").gpu(1, mem=1200).build())) == ["n2"]
+    h.schedule(make_pod("q2").gpu(1, mem=1200).build(), "n1")  # one not alike joins
+    assert list(_offered(h, make_pod("replica2").gpu(1, mem=1000).build())) == ["n2"]
+    assert h.cache.has_alike()
+    for name in ("q1", "q2"):
+        h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref(name), node="n1"))
+    assert not h.cache.has_alike()  # nothing in flight is remembered
 
 
 def test_unreserve_frees_the_node_for_the_next_pod(h: Harness) -> None:
