@@ -21,7 +21,8 @@ from scheduler_plugins.devtools.bench.scenarios import (
     delete_resurrected,
     run_check,
 )
-from scheduler_plugins.devtools.bench.workload import generate, mig_burst
+from scheduler_plugins.devtools.bench.statemem import offline_nodes_used
+from scheduler_plugins.devtools.bench.workload import BenchPod, PodKind, generate, mig_burst
 from scheduler_plugins.devtools.check import CheckReport, Violation, ViolationKind
 
 
@@ -182,6 +183,44 @@ def test_markdown_lists_the_rpcs_of_the_drain_and_of_the_main_workload() -> None
         in text
     )
     assert "| 1000 | main | tessera_scheduler_decision_duration_seconds{} | 10 |" in text
+
+
+def test_markdown_puts_nodes_used_and_prebind_waits_beside_the_drain() -> None:
+    result = _result()
+    run = result["runs"][0]
+    run["offline_nodes_used"] = 12
+    tessera, stock = run["phases"]["tessera"]["drain"], run["phases"]["stock"]["drain"]
+    tessera["nodes_used"], stock["nodes_used"] = 14, 30
+
+    def prebind(code: str, count: int, p50: float, p99: float) -> dict[str, Any]:
+        return {
+            "name": "tessera_scheduler_rpc_duration_seconds",
+            "labels": {"method": "PreBind", "code": code},
+            "count": count,
+            "unit": "ms",
+            "mean": p50,
+            "p50": p50,
+            "p90": p99,
+            "p99": p99,
+        }
+
+    tessera["plugin_rpc"] = [
+        prebind("OK", 40, 1500.0, 9000.0),
+        prebind("RESOURCE_EXHAUSTED", 5, 0, 0),
+    ]
+    text = markdown(result, [])
+    bound = tessera["bound"]
+    assert f"| 1000 | tessera | 14 | 12 | 40 | 1.5 | 9 | {round(5 / bound, 3)} |" in text
+    assert "| 1000 | stock | 30 | 12 | – | – | – | – |" in text
+
+
+def test_offline_nodes_used_places_the_pods_by_the_core() -> None:
+    pods = tuple(
+        BenchPod(f"p{i}", PodKind.FRACTIONAL, gpus=1, gpumem_mib=4000, mode="hami-core")
+        for i in range(6)
+    )
+    plain = (BenchPod("cpu", PodKind.PLAIN),)
+    assert offline_nodes_used(pods + plain, 4) == 1  # binpack: all on one node
 
 
 def test_markdown_says_why_rpc_histograms_are_missing() -> None:

@@ -20,6 +20,7 @@ STOCK: Final = "stock"
 MIB_PER_GIB: Final = 1024
 DECISION_METRIC: Final = "tessera_scheduler_decision_duration_seconds"
 DECISION_CPU_METRIC: Final = "tessera_scheduler_decision_cpu_seconds"
+RPC_SERIES: Final = "tessera_scheduler_rpc_duration_seconds"
 COLORS: Final = {TESSERA: "C0", STOCK: "C1"}
 
 
@@ -313,7 +314,70 @@ def _drain_section(result: Json) -> list[str]:
             ],
             rows,
         ),
+        *_waits_table(result),
     ]
+
+
+def _waits_table(result: Json) -> list[str]:
+    """Per drain: GPU nodes used next to the core's offline placement of the same pods, and
+    Tessera's PreBind waits (pods handed their annotations at Reserve never call PreBind)."""
+    rows = []
+    for run, name, ph in _phases(result):
+        d = ph.get("drain")
+        if not d or "nodes_used" not in d:
+            continue
+        waited: Json = {}
+        not_yet = 0
+        for h in d.get("plugin_rpc") or []:
+            labels = h.get("labels") or {}
+            if h.get("name") != RPC_SERIES or labels.get("method") != "PreBind":
+                continue
+            if labels.get("code") == "OK":
+                waited = h
+            elif labels.get("code") == "RESOURCE_EXHAUSTED":
+                not_yet += int(h.get("count") or 0)
+        bound = d.get("bound") or 0
+        tessera = name == TESSERA
+        rows.append(
+            [
+                run["nodes"],
+                name,
+                d["nodes_used"],
+                run.get("offline_nodes_used", "–"),
+                waited.get("count", 0) if tessera else "–",
+                _ms_as_s(waited.get("p50")) if tessera else "–",
+                _ms_as_s(waited.get("p99")) if tessera else "–",
+                round(not_yet / bound, 3) if tessera and bound else "–",
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "*GPU nodes*: nodes holding the drain's GPU pods; *offline*: the same pods placed one",
+        "after another by Tessera's core on an empty cluster (the cluster default policy).",
+        "*waited*: PreBinds that waited for an ambiguous pod on their node (a pod handed its",
+        "annotations at Reserve never calls PreBind); *not yet*: PreBind answers telling the",
+        "shim to ask again, per bound pod.",
+        "",
+        *_table(
+            [
+                "nodes",
+                "scheduler",
+                "GPU nodes",
+                "offline",
+                "waited",
+                "wait p50 s",
+                "wait p99 s",
+                "not yet per pod",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _ms_as_s(ms: object) -> object:
+    return round(float(ms) / 1000.0, 2) if isinstance(ms, (int, float)) else "–"
 
 
 def _plugin_section(result: Json) -> list[str]:

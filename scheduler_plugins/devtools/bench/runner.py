@@ -59,6 +59,7 @@ from scheduler_plugins.devtools.bench.scenarios import (
     registers,
     run_check,
 )
+from scheduler_plugins.devtools.bench.statemem import offline_nodes_used
 from scheduler_plugins.devtools.bench.watcher import PodTimes
 from scheduler_plugins.devtools.bench.workload import DEFAULT_MIX, BenchPod, Mix, generate
 from scheduler_plugins.devtools.cluster.layout import ClusterSettings
@@ -292,6 +293,7 @@ def _drain(
         committed={n: t - now + mono for n, t in committed.items()},
     )
     out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")
+    out["nodes_used"] = len({b.nodes[p.name] for p in pods if p.gpus and p.name in b.nodes})
     return out
 
 
@@ -390,6 +392,9 @@ def _run(opts: BenchOptions, on_phase: Callable[[Json], None] | None) -> Json:
     for n in opts.nodes:
         workload = generate(opts.pod_count(n), seed=opts.seed, mix=opts.mix, replicas=opts.replicas)
         entry: Json = {"nodes": n, "pods": len(workload), "phases": {}}
+        if opts.drain_share > 0:
+            queued = workload[: round(len(workload) * opts.drain_share)]
+            entry["offline_nodes_used"] = offline_nodes_used(queued, n, profile)
         result["runs"].append(entry)
         for kind in opts.schedulers:
             log.info("bench.phase", scheduler=kind.value, nodes=n, pods=len(workload))

@@ -30,7 +30,12 @@ from scheduler_plugins.core.decide import decide
 from scheduler_plugins.core.requests import parse_request
 from scheduler_plugins.devtools.bench import procstat, stats
 from scheduler_plugins.devtools.bench.errors import BenchError
-from scheduler_plugins.devtools.bench.workload import bench_profile, generate, tessera_manifest
+from scheduler_plugins.devtools.bench.workload import (
+    BenchPod,
+    bench_profile,
+    generate,
+    tessera_manifest,
+)
 from scheduler_plugins.devtools.cluster.nodes import NodeProfile, node_object, plan
 from scheduler_plugins.server.malloc import tune_allocator
 
@@ -57,33 +62,10 @@ def measure(
     now = time.time()
     for name, group in plan(profile or bench_profile(), nodes, 0):
         cache.apply_node(node_object(name, group, config, now=now))
-    names = sorted(cache.state.nodes)
     t0 = time.monotonic()
-    placed = unplaced = 0
-    workload = generate(pods, seed=seed)
-    for i, pod in enumerate(workload):
-        manifest = tessera_manifest(pod, namespace=NAMESPACE, labels={})
-        manifest["metadata"]["uid"] = f"uid-{i}"
-        request = parse_request(manifest, config)
-        if not request.wants_gpu:
-            manifest["spec"]["nodeName"] = names[i % len(names)]
-        else:
-            decision = decide(cache.state, request)
-            node = decision.best_node()
-            planned = decision.plan_for(node) if node is not None else None
-            if planned is None:
-                unplaced += 1
-                continue
-            written = bind_annotations(planned, bind_time=int(now))
-            written[ann.BIND_PHASE] = "success"
-            written[ann.DEVICES_TO_ALLOCATE] = encode_devices(tuple(() for _ in planned.containers))
-            manifest["metadata"]["annotations"] = {
-                **manifest["metadata"].get("annotations", {}),
-                **written,
-            }
-            manifest["spec"]["nodeName"] = planned.node
-        cache.apply_pod(manifest)
-        placed += 1
+    placed_on = place(cache, generate(pods, seed=seed), config, now=now)
+    placed = len(placed_on)
+    unplaced = pods - placed
     load_s = time.monotonic() - t0
     loaded = procstat.sample(os.getpid())
     seconds: list[float] = []
@@ -111,6 +93,58 @@ def measure(
         "peak_rss_mib": round(loaded.hwm_kib / 1024, 1),
         "decision_ms": summary.to_json() if summary else None,
     }
+
+
+def place(
+    cache: ClusterCache,
+    workload: tuple[BenchPod, ...],
+    config: DeviceConfig,
+    *,
+    now: float,
+) -> dict[str, str]:
+    """Place ``workload`` in order by the scheduling core (``decide``, its best node, the
+    plan) and apply each as bound with the annotations PreBind and the node agent leave;
+    CPU-only pods go round the nodes. Returns pod name -> node of those placed."""
+    names = sorted(cache.state.nodes)
+    out: dict[str, str] = {}
+    for i, pod in enumerate(workload):
+        manifest = tessera_manifest(pod, namespace=NAMESPACE, labels={})
+        manifest["metadata"]["uid"] = f"uid-{i}"
+        request = parse_request(manifest, config)
+        if not request.wants_gpu:
+            manifest["spec"]["nodeName"] = names[i % len(names)]
+        else:
+            decision = decide(cache.state, request)
+            node = decision.best_node()
+            planned = decision.plan_for(node) if node is not None else None
+            if planned is None:
+                continue
+            written = bind_annotations(planned, bind_time=int(now))
+            written[ann.BIND_PHASE] = "success"
+            written[ann.DEVICES_TO_ALLOCATE] = encode_devices(tuple(() for _ in planned.containers))
+            manifest["metadata"]["annotations"] = {
+                **manifest["metadata"].get("annotations", {}),
+                **written,
+            }
+            manifest["spec"]["nodeName"] = planned.node
+        cache.apply_pod(manifest)
+        out[pod.name] = manifest["spec"]["nodeName"]
+    return out
+
+
+def offline_nodes_used(
+    workload: tuple[BenchPod, ...], nodes: int, profile: NodeProfile | None = None
+) -> int:
+    """How many nodes the GPU pods of ``workload`` take when the scheduling core places them
+    one after another on an empty cluster of ``nodes`` (the cluster default policy): what a
+    scheduler that never waits would reach, next to the drains' counts."""
+    config = DeviceConfig()
+    cache = ClusterCache(config, clock=time.monotonic)
+    now = time.time()
+    for name, group in plan(profile or bench_profile(), nodes, 0):
+        cache.apply_node(node_object(name, group, config, now=now))
+    on = place(cache, workload, config, now=now)
+    return len({on[p.name] for p in workload if p.gpus and p.name in on})
 
 
 def measure_in_subprocess(nodes: int, pods: int, *, seed: int, timeout_s: float) -> Json:
