@@ -190,6 +190,35 @@ def test_fragmented_mig_gpu_explained_under_node_affinity(small_cluster: E2EClus
     assert "fragmentation" in message and f"{node}: GPU 0 {FREE_INTERVALS}" in message, cond
 
 
+def test_replicas_on_one_node_bind_without_waiting_for_each_other(
+    small_cluster: E2ECluster,
+) -> None:
+    """Six equal fractional replicas aimed at one node are interchangeable to its node agent:
+    none waits at PreBind for another's allocation, and each ends allocated on that node."""
+    c = small_cluster
+    node = c.nodes_in_mode("hami-core")[2]
+    log = c.settings.log_file(PLUGIN_SERVER)
+    waiting = "waiting for ambiguous allocating pods"
+    waits_before = log.read_text().count(waiting)
+    labels = {"e2e-replicas": "yes"}
+    limits = {GPU: 1, GPUMEM: 3000}
+    c.create_many(
+        [
+            pod_manifest(f"replica-{i}", limits, annotations=HAMI_CORE, labels=labels, nodes=[node])
+            for i in range(6)
+        ]
+    )
+    try:
+        pods = [c.wait_bound(f"replica-{i}") for i in range(6)]
+        assert {node_of(p) for p in pods} == {node}
+        assert all(annots(p)[ann.BIND_PHASE] == "success" for p in pods)
+        gpus = Counter(u for p in pods for u in _gpu_uuids(p))
+        assert sum(gpus.values()) == 6 and set(gpus) <= {g.id for g in c.registers[node]}
+        assert log.read_text().count(waiting) == waits_before, "replicas waited at PreBind"
+    finally:
+        c.delete_pods("e2e-replicas=yes")
+
+
 def test_plain_pods_scheduled_by_same_profile(small_cluster: E2ECluster) -> None:
     c = small_cluster
     c.create(pod_manifest("plain"))
