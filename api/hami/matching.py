@@ -145,10 +145,25 @@ def interchangeable(key_a: str | None, key_b: str | None) -> bool:
 
 
 # What the node agent's Allocate answer depends on besides the entry: the GPU selectors
-# (so either pod may stand on the other's GPUs), and per container its resources (memory,
-# cores, task priority) and HAMi-core's switch.
+# (so either pod may stand on the other's GPUs), and per container its extended resources
+# (GPU count, memory, cores, task priority; not CPU, memory or storage, which the node's
+# accounting keeps per pod whoever holds which GPU) and HAMi-core's switch.
 _SELECTORS = (USE_GPUTYPE, NOUSE_GPUTYPE, USE_GPUUUID, NOUSE_GPUUUID, NUMA_BIND, VGPU_MODE)
 _CONTROL_ENV = "CUDA_DISABLE_CONTROL"
+_HOST_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+
+
+def _device_resources(container: Mapping[str, Any]) -> dict[str, Any]:
+    resources = as_object(container.get("resources"))
+    out: dict[str, Any] = {}
+    for section in ("limits", "requests"):
+        values = as_object(resources.get(section))
+        out[section] = {
+            k: v
+            for k, v in values.items()
+            if k not in _HOST_RESOURCES and not str(k).startswith("hugepages-")
+        }
+    return out
 
 
 def interchange_key(
@@ -186,7 +201,7 @@ def interchange_key(
         "container": ci,
         "devices": [[d.vendor, d.mem, d.cores, d.legacy] for d in held[ci]],
         "selectors": [ann.get(k) for k in _SELECTORS],
-        "resources": container.get("resources"),
+        "resources": _device_resources(container),
         "control": control,
     }
     try:

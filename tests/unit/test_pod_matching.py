@@ -276,6 +276,32 @@ def test_ambiguous(name: str, a: Any, b: Any, expected: bool) -> None:
     assert ambiguous(pb, pa, keys=(kb, ka)) is expected
 
 
+def test_interchange_key_reads_the_extended_resources_not_cpu_or_memory() -> None:
+    def pod(resources: dict[str, Any]) -> dict[str, Any]:
+        return make_pod("p", devices=one(), containers=[{"name": "c0", "resources": resources}])
+
+    base = interchange_key(pod({"limits": {"nvidia.com/gpu": "1", "cpu": "1"}}))
+    assert base is not None
+    more_cpu = {"limits": {"nvidia.com/gpu": "1", "cpu": "2", "hugepages-2Mi": "1Mi"}}
+    assert interchange_key(pod(more_cpu)) == base
+    other_memory = {"limits": {"nvidia.com/gpu": "1"}, "requests": {"memory": "1Gi"}}
+    assert interchange_key(pod(other_memory)) == base
+    priority = {"limits": {"nvidia.com/gpu": "1", "nvidia.com/priority": "1"}}
+    assert interchange_key(pod(priority)) != base
+    control = make_pod(
+        "p",
+        devices=one(),
+        containers=[
+            {
+                "name": "c0",
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "env": [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}],
+            }
+        ],
+    )
+    assert interchange_key(control) != base
+
+
 def test_interchange_key_needs_one_unallocated_gpu_container_without_mig() -> None:
     assert interchange_key(make_pod("p", devices=one())) is not None
     two = make_pod(
