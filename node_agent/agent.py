@@ -57,6 +57,7 @@ from node_agent.registration import Registrar
 log = structlog.get_logger(__name__)
 
 DEFAULT_SOCKET: Final = "tessera-gpu.sock"
+IDENTITY_BACKOFF_MAX_S: Final = 30.0
 
 
 class AgentApi(Protocol):
@@ -306,9 +307,14 @@ class NodeAgent:
 
     def _identity_loop(self, fixer: IdentityFixer, halt: threading.Event) -> None:
         """Check interchangeable hand-outs against PodResources while any is pending (every
-        ``identity_check_s``); sleep until the next one otherwise."""
+        ``identity_check_s``); sleep until the next one otherwise. A failing check (the
+        kubelet's socket missing, the API down) is retried with a doubling pause up to
+        ``IDENTITY_BACKOFF_MAX_S``, logged once per streak and when it recovers."""
         adopted = False
+        delay = self._identity_s
+        failing: str | None = None
         while not halt.is_set():
+            error: str | None = None
             try:
                 if not adopted:
                     answer = self._kube.list(
@@ -318,16 +324,21 @@ class NodeAgent:
                     adopted = True
                 idle = fixer.check()
             except TesseraError as e:
-                log.warning("node_agent.identity_check_failed", node=self.node_name, error=str(e))
-                idle = False
-            except Exception:
+                error, idle = str(e), False
+            except Exception as e:
                 log.exception("node_agent.identity_check_crashed", node=self.node_name)
-                idle = False
+                error, idle = repr(e), False
+            if error is not None and failing is None:
+                log.warning("node_agent.identity_check_failed", node=self.node_name, error=error)
+            elif error is None and failing is not None:
+                log.info("node_agent.identity_check_recovered", node=self.node_name)
+            failing = error
+            delay = min(2 * delay, IDENTITY_BACKOFF_MAX_S) if error else self._identity_s
             if idle:
                 fixer.wake.wait()  # set by a hand-out, and at stop
                 fixer.wake.clear()
             else:
-                halt.wait(self._identity_s)
+                halt.wait(delay)
 
     def _desired(self) -> DesiredRead:
         """The MIG desired set of the pods on this node; unreadable on any API failure."""

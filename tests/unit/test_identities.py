@@ -4,6 +4,7 @@ corrected from the kubelet's PodResources, never counting a GPU below its real u
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -15,6 +16,7 @@ from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.devices import decode_devices
 from api.hami.keys import BIND_PHASE, DEVICES_ALLOCATED
 from api.podresources.v1 import api_pb2
+from node_agent.agent import NodeAgent
 from node_agent.allocator import Allocator
 from node_agent.identities import (
     Held,
@@ -238,3 +240,51 @@ def test_kubelet_pod_resources_failure_is_temporary_and_names_the_socket(
     podres.fail = True
     with pytest.raises(PodResourcesError, match=f"{podres.path}.*UNAVAILABLE: kubelet busy"):
         KubeletPodResources(str(podres.path)).list(RESOURCE)
+
+
+# The agent's check loop -----------------------------------------------------------------------
+
+
+class _Halt:
+    """A stop event whose waits return at once and are recorded."""
+
+    def __init__(self, stop_after: int) -> None:
+        self.waits: list[float] = []
+        self.stop_after = stop_after
+
+    def is_set(self) -> bool:
+        return len(self.waits) >= self.stop_after
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0.0))
+        return self.is_set()
+
+
+class _FlakyFixer:
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.checks = 0
+        self.wake = threading.Event()
+        self.wake.set()  # the idle wait returns at once
+
+    def adopt(self, pods: Any) -> None:
+        pass
+
+    def check(self) -> bool:
+        self.checks += 1
+        if self.checks <= self.failures:
+            raise PodResourcesError("list pod resources at /x: UNAVAILABLE")
+        return False  # still pending: the loop keeps its pace
+
+
+def test_the_check_loop_backs_off_while_failing_and_logs_once(
+    backend: SimulatedNvml, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = NodeAgent(NODE, FakeKube(), backend, DeviceConfig(), identity_check_s=0.5)
+    halt = _Halt(stop_after=8)
+    fixer = _FlakyFixer(failures=5)
+    agent._identity_loop(fixer, halt)  # type: ignore[arg-type]
+    assert halt.waits == [1.0, 2.0, 4.0, 8.0, 16.0, 0.5, 0.5, 0.5]
+    out = capsys.readouterr().out + capsys.readouterr().err
+    assert out.count("identity_check_failed") == 1
+    assert out.count("identity_check_recovered") == 1
