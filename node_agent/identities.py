@@ -36,7 +36,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import grpc
 import structlog
@@ -48,6 +48,9 @@ from api.kube.errors import ConflictError, KubeError, NotFoundError
 from api.kube.objects import all_containers, annotations_of, as_object, finished, pod_key
 from api.podresources.v1 import api_pb2
 from node_agent.deviceplugin.ids import gpu_of
+
+if TYPE_CHECKING:
+    from node_agent.allocator import PodApi
 
 log = structlog.get_logger(__name__)
 
@@ -127,22 +130,23 @@ def gpu_container(annotations: Mapping[str, str], *, obj: str = "") -> int | Non
 
 def corrections(
     pods: Iterable[Mapping[str, Any]],
-    pending: Mapping[str, Callable[[tuple[str, ...]], tuple[str, ...] | None]],
+    pending: Iterable[str],
+    real: Callable[[tuple[str, ...]], tuple[str, ...] | None],
     held: Held,
 ) -> tuple[list[Correction], set[str]]:
-    """What to rewrite, and the pending pods that are settled (right, corrected or gone).
+    """What to rewrite for the ``pending`` pods, and those settled (right, corrected or gone).
 
-    ``pending``: pod key -> the GPUs (in entry order) a request's ids were really given (None:
-    unknown). A pod whose recorded entry already holds more devices than the kubelet's ids (a
-    first round not followed by its second) is corrected to its real GPUs too."""
+    ``real``: the GPUs (in entry order) a request's ids were really given (None: unknown).
+    A pod whose recorded entry holds more devices than the kubelet's ids (a first round not
+    followed by its second) is corrected to its real GPUs too."""
+    pending = set(pending)
     out: list[Correction] = []
     settled: set[str] = set()
     alive: set[str] = set()
     for pod in pods:
         key = pod_key(pod)
-        real_of = pending.get(key)
         if (
-            real_of is None
+            key not in pending
             or finished(pod)
             or as_object(pod.get("metadata")).get("deletionTimestamp")
         ):
@@ -163,17 +167,17 @@ def corrections(
         ids = held.get((key, str(containers[ci].get("name", ""))))
         if ids is None:
             continue  # the kubelet has not recorded it (yet): look again
-        real = real_of(ids)
+        gpus = real(ids)
         entry = recorded[ci]
         shape = entry[: len(ids)]
-        if real is None or len(real) != len(shape):
+        if gpus is None or len(gpus) != len(shape):
             settled.add(key)
             continue
-        if Counter(d.uuid for d in entry) == Counter(real) and len(entry) == len(real):
+        if Counter(d.uuid for d in entry) == Counter(gpus) and len(entry) == len(gpus):
             settled.add(key)
             continue
         after = tuple(
-            DeviceAlloc(uuid, d.mem, d.cores, d.vendor) for uuid, d in zip(real, shape, strict=True)
+            DeviceAlloc(uuid, d.mem, d.cores, d.vendor) for uuid, d in zip(gpus, shape, strict=True)
         )
         out.append(Correction(pod, key, ci, entry, after))
     settled |= {k for k in pending if k not in alive}
@@ -186,7 +190,7 @@ class IdentityFixer:
     def __init__(
         self,
         node_name: str,
-        kube: Any,
+        kube: PodApi,
         lister: PodResourcesLister,
         resource_name: str,
     ) -> None:
@@ -246,7 +250,7 @@ class IdentityFixer:
             handed = dict(self._handed)
             keys = set(self._pending)
 
-        def real(ids: tuple[str, ...]) -> tuple[str, ...] | None:
+        def given(ids: tuple[str, ...]) -> tuple[str, ...] | None:
             known = handed.get(frozenset(ids))
             if known is not None:
                 return known
@@ -258,7 +262,7 @@ class IdentityFixer:
         held = self._lister.list(self._resource)
         answer = self._kube.list("/api/v1/pods", field_selector=f"spec.nodeName={self.node_name}")
         pods = list(answer.get("items") or [])
-        fixes, settled = corrections(pods, dict.fromkeys(keys, real), held)
+        fixes, settled = corrections(pods, keys, given, held)
         done: set[str] = set(settled)
         # Round one: every wrong pod counts its old and its real GPUs; round two: the real.
         first = [f for f in fixes if self._write(f, f.both, f.pod)]

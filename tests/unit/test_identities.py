@@ -186,14 +186,14 @@ def test_corrections_read_the_kubelets_containers_by_name() -> None:
         containers=[{"name": "init"}, {"name": "main"}],
     )
     held = {("default/p", "main"): (f"{G1}-0",), ("default/p", "init"): (f"{G0}-9",)}
-    fixes, settled = corrections([pod], {"default/p": lambda ids: (G1,)}, held)
+    fixes, settled = corrections([pod], {"default/p"}, lambda ids: (G1,), held)
     assert [(f.key, f.container, [d.uuid for d in f.after]) for f in fixes] == [
         ("default/p", 1, [G1])
     ]
     assert settled == set()
     unreadable = make_pod("u", devices=[[(G0, 1, 1)]])
     unreadable["metadata"]["annotations"][DEVICES_ALLOCATED] = "garbage"
-    fixes, settled = corrections([unreadable], {"default/u": lambda ids: (G1,)}, held)
+    fixes, settled = corrections([unreadable], {"default/u"}, lambda ids: (G1,), held)
     assert fixes == [] and settled == {"default/u"}
 
 
