@@ -254,6 +254,7 @@ class Reservations:
         ``nominated``: the node kube-scheduler's preemption made room on for the pod."""
         ident = req.uid or req.key
         self._clear_leftover(req.key, ident, meta, spec)
+        pod = {"metadata": meta, "spec": spec}
         with self._spans.span("decide"), self._cache.lock:
             started, cpu_started = self._clock(), self._cpu_clock()
             decision = decide(self._cache.state, req)
@@ -263,9 +264,7 @@ class Reservations:
                 decision.score,
                 decision.preference,
                 decision.layout.name_rank,
-                self._waits(req, decision, {"metadata": meta, "spec": spec})
-                if limit and feasible.size
-                else None,
+                self._waits(req, decision, pod) if limit and feasible.size else None,
                 limit,
             )
             scores: list[int] = decision.preference.kube_scores(decision.score[offered]).tolist()
@@ -292,7 +291,7 @@ class Reservations:
             decision_id = next(self._ids)
             _put(self._decisions, ident, _Cached(decision_id, decision))
             _put(self._requests, ident, (decision_id, req))
-            _put(self._pods, ident, {"metadata": meta, "spec": spec})
+            _put(self._pods, ident, pod)
         if not names:
             log.info("unschedulable", pod=req.key, reason=why)
         return Offer(
@@ -381,8 +380,7 @@ class Reservations:
                 req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
             )
             pod = self._pods.get(ident, {})
-            alike = interchange_key(pod, bind_annotations(plan, bind_time=0)) if pod else None
-            self._cache.assume(alloc, _device_counts(req), alike)
+            self._cache.assume(alloc, _device_counts(req), _alike(pod, plan))
             self._on_reserved(alloc.key)
             res = self._reservations[ident] = _Reservation(plan, pod)
             self._reserved_as[key] = ident
@@ -585,7 +583,7 @@ class Reservations:
             first = int(np.flatnonzero(decision.feasible)[0])
             plan = decision.plan_for(decision.layout.names[first])
             if plan is not None:
-                interchange = interchange_key(pod, bind_annotations(plan, bind_time=0))
+                interchange = _alike(pod, plan)
         return self._cache.busy_per_node(_device_counts(req), decision.layout.names, interchange)
 
     def _refuse_bound(self, key: str) -> None:
@@ -739,6 +737,11 @@ class Reservations:
             self._reservations.pop(ident, None)
             self._requests.pop(ident, None)
             self._pods.pop(ident, None)
+
+
+def _alike(pod: Mapping[str, Any], plan: PodPlan) -> str | None:
+    """The pod's interchange_key with ``plan``'s bind annotations (None: no pod seen)."""
+    return interchange_key(pod, bind_annotations(plan, bind_time=0)) if pod else None
 
 
 def _device_counts(req: PodRequest) -> frozenset[int]:
