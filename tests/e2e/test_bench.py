@@ -61,6 +61,7 @@ def test_bench_runs_both_schedulers_and_reports(
     result = json.loads((out / "tiny.json").read_text())
     (run,) = result["runs"]
     assert (run["nodes"], run["pods"]) == (NODES, PODS)
+    assert 0 < run["offline_nodes_used"] <= NODES
     assert set(run["phases"]) == {"tessera", "stock"}
     for name, phase in run["phases"].items():
         assert "error" not in phase, phase["error"]
@@ -78,8 +79,10 @@ def test_bench_runs_both_schedulers_and_reports(
         assert [b["label"] for b in phase["node_concurrency"]] == [
             "mig-7x1g",
             "fractional-10x",
+            "fractional-10-unequal",
             "distinct-counts",
         ]
+        assert 0 < drain["nodes_used"] <= NODES
         for burst in phase["node_concurrency"]:
             assert burst["bound"] == burst["pods"], (name, burst)
             assert len(burst["nodes"]) == 1, (name, burst)
