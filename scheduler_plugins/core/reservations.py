@@ -177,6 +177,7 @@ class _Reservation:
     # The pod as PreFilter saw it (metadata, spec): what makes it interchangeable with
     # another allocating pod of the node (``api.hami.matching.interchange_key``).
     pod: Mapping[str, Any] = field(default_factory=dict)
+    alike: str | None = None  # its interchange_key with this plan
     # What PreBind wrote or handed to the shim's Binding, for Unreserve to take back.
     patched: dict[str, str] | None = None
     writing: dict[str, str] | None = None  # what PreBind is writing now (patch in flight)
@@ -380,9 +381,10 @@ class Reservations:
                 req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
             )
             pod = self._pods.get(ident, {})
-            self._cache.assume(alloc, _device_counts(req), _alike(pod, plan))
+            alike = _alike(pod, plan)
+            self._cache.assume(alloc, _device_counts(req), alike)
             self._on_reserved(alloc.key)
-            res = self._reservations[ident] = _Reservation(plan, pod)
+            res = self._reservations[ident] = _Reservation(plan, pod, alike)
             self._reserved_as[key] = ident
             handed = self._hand_over_now(key, res) if hand_over else None
         log.info("reserved", pod=key, node=node, handed_over=handed is not None, trial=trial)
@@ -432,9 +434,7 @@ class Reservations:
             raise ScheduleAgain(f"pod {key} is reserved on node {res.plan.node}, not {node}")
         annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
         with self._spans.span("prebind.wait"):
-            self._wait_and_claim(
-                call, key, node, annotations, interchange_key(res.pod, annotations)
-            )
+            self._wait_and_claim(call, key, node, annotations, res.alike)
         with self._cache.lock:
             if res.cancelled:  # unreserved while this PreBind waited: write nothing
                 self._cache.release_claim(key)
@@ -488,10 +488,9 @@ class Reservations:
         the shim's Binding; it then skips PreBind (one RPC less per pod). None: PreBind
         waits as usual."""
         annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
-        interchange = interchange_key(res.pod, annotations)
-        if self._cache.blocking(res.plan.node, key, annotations, interchange):
+        if self._cache.blocking(res.plan.node, key, annotations, res.alike):
             return None
-        self._cache.claim(key, res.plan.node, annotations, interchange)
+        self._cache.claim(key, res.plan.node, annotations, res.alike)
         res.patched = annotations  # from now on they may be on the pod
         return Handed(annotations, bind_labels(res.plan))
 
@@ -574,14 +573,15 @@ class Reservations:
     def _waits(self, req: PodRequest, decision: Decision, pod: Mapping[str, Any]) -> Any:
         """Per node of the decision, how many in-flight pods PreBind of ``req`` would wait for
         there (the node agent could not tell them apart; not those interchangeable with it,
-        by its plan on a feasible node); None when no node is busy. One numpy gather per
+        by its plan on its best node, which Reserve then finds planned already); None when no
+        node is busy. One numpy gather per
         device count from the cache's busy arrays: no Python work per node (mapping a
         thousand busy node names to segments per call was 4% of the server's CPU in a
         1000-node drain)."""
         interchange = None
         if len(req.containers) == 1 and self._cache.has_alike():
-            first = int(np.flatnonzero(decision.feasible)[0])
-            plan = decision.plan_for(decision.layout.names[first])
+            best = decision.best_node()
+            plan = decision.plan_for(best) if best is not None else None
             if plan is not None:
                 interchange = _alike(pod, plan)
         return self._cache.busy_per_node(_device_counts(req), decision.layout.names, interchange)
