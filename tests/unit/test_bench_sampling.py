@@ -19,7 +19,12 @@ class Api:
         assert path == "/metrics"
         self.total += 3
         line = 'apiserver_request_total{verb="POST",resource="pods",subresource="binding"}'
-        return 200, f"{line} {self.total}\n"
+        watch = "apiserver_watch_events_total"
+        events = (
+            f'{watch}{{group="",resource="pods",version="v1"}} {4 * self.total}\n'
+            f'{watch}{{group="",kind="Node",version="v1"}} {self.total}\n'
+        )
+        return 200, f"{line} {self.total}\n{events}"
 
 
 def test_a_mark_can_scrape_before_and_sample_processes_after() -> None:
@@ -34,3 +39,12 @@ def test_a_mark_can_scrape_before_and_sample_processes_after() -> None:
     rows = sampler.requests_json("start", "end", per=3)
     assert [(r["verb"], r["count"]) for r in rows] == [("POST", 3)]
     assert sampler.cpu_between("start", "end")["me"] >= 0
+
+
+def test_watch_events_per_pod_by_resource() -> None:
+    api = Api()
+    sampler = Sampler(lambda: {}, None, cast(KubeClient, cast(Any, api)))
+    sampler.mark("start")
+    sampler.mark("end")
+    assert sampler.watch_events_json("start", "end", per=3) == {"pods": 4.0, "Node": 1.0}
+    assert sampler.watch_events_json("start", "missing", per=3) == {}

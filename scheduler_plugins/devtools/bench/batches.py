@@ -232,6 +232,7 @@ def drain_json(
     cpu_s: Mapping[str, float],
     requests: list[Json],
     committed: Mapping[str, float] | None = None,
+    watch_events: Mapping[str, float] | None = None,
 ) -> Json:
     """How fast a queue of pods was bound once the scheduler started (``resumed``).
 
@@ -266,6 +267,7 @@ def drain_json(
         if bound
         else {},
         "api_requests": requests,
+        "watch_events_per_pod": dict(watch_events or {}),
     }
 
 

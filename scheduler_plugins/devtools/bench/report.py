@@ -462,6 +462,10 @@ def _requests_section(result: Json, top: int = 8) -> list[str]:
             if r.get("subresource"):
                 what += f"/{r['subresource']}"
             rows.append([run["nodes"], name, what, r["count"], r.get("per_pod")])
+        for resource, per_pod in (
+            (ph.get("drain") or {}).get("watch_events_per_pod") or {}
+        ).items():
+            rows.append([run["nodes"], name, f"watch events sent: {resource}", "–", per_pod])
     if not rows:
         return []
     return [
@@ -469,7 +473,8 @@ def _requests_section(result: Json, top: int = 8) -> list[str]:
         "",
         "From the apiserver's `apiserver_request_total`, every client together (scheduler,",
         "plugin server, node agent, kwok), during the queue drain (no creates in it; the",
-        "streamed workload when there was no drain).",
+        "streamed workload when there was no drain). *Watch events sent*: its",
+        "`apiserver_watch_events_total`, every watcher's copy counted (drain only).",
         "",
         *_table(["nodes", "scheduler", "request", "count", "per bound pod"], rows),
     ]

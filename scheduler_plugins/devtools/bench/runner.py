@@ -290,6 +290,7 @@ def _drain(
         resumed,
         cpu_s=sampler.cpu_between("drain-start", "drain-end"),
         requests=sampler.requests_json("drain-start", "drain-end", len(b.bound)),
+        watch_events=sampler.watch_events_json("drain-start", "drain-end", len(b.bound)),
         committed={n: t - now + mono for n, t in committed.items()},
     )
     out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")

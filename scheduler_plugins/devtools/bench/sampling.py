@@ -19,6 +19,8 @@ log = structlog.get_logger(__name__)
 
 API_REQUESTS: Final = "apiserver_request_total"
 API_REQUEST_LABELS: Final = ("verb", "resource", "subresource")
+WATCH_EVENTS: Final = "apiserver_watch_events_total"  # events sent, summed over watchers
+WATCH_EVENT_LABELS: Final = ("resource", "kind")  # "kind" before Kubernetes 1.32
 
 Json = dict[str, Any]
 
@@ -34,6 +36,7 @@ class Sampler:
     marks: dict[str, dict[str, procstat.ProcSample]] = field(default_factory=dict)
     scrapes: dict[str, list[promtext.Histogram]] = field(default_factory=dict)
     requests: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
+    watch_events: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
     metrics_error: str | None = None
 
     def mark(self, name: str, *, procs: bool = True, scrapes: bool = True) -> None:
@@ -64,8 +67,12 @@ class Sampler:
                         log.warning("bench.apiserver_metrics_failed", error=str(e))
                     continue
                 if status == 200:
+                    samples = list(promtext.parse(text))
                     self.requests[name] = promtext.counter_totals(
-                        promtext.parse(text), API_REQUESTS, API_REQUEST_LABELS
+                        samples, API_REQUESTS, API_REQUEST_LABELS
+                    )
+                    self.watch_events[name] = promtext.counter_totals(
+                        samples, WATCH_EVENTS, WATCH_EVENT_LABELS
                     )
                 break
 
@@ -83,6 +90,20 @@ class Sampler:
                 row["per_pod"] = round(n / per, 2) if per else None
                 rows.append(row)
         return sorted(rows, key=lambda r: -int(r["count"]))
+
+    def watch_events_json(self, a: str, b: str, per: int) -> dict[str, float]:
+        """Watch events the apiserver sent (every watcher's copy) between two marks, per
+        ``per`` pods, by resource."""
+        if a not in self.watch_events or b not in self.watch_events or not per:
+            return {}
+        before, after = self.watch_events[a], self.watch_events[b]
+        out: dict[str, float] = {}
+        for labels, total in after.items():
+            n = total - before.get(labels, 0.0)
+            resource = next((v for _, v in labels if v), "")
+            if n >= 1 and resource:
+                out[resource] = round(out.get(resource, 0.0) + n / per, 2)
+        return dict(sorted(((r, v) for r, v in out.items() if v > 0), key=lambda kv: -kv[1]))
 
     def cpu_between(self, a: str, b: str) -> dict[str, float]:
         """CPU seconds each process used between two marks (the same process at both)."""
