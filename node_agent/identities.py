@@ -17,8 +17,10 @@ already shows, compares the GPUs its container holds with the recorded ones:
 - equal: done with that pod;
 - different: the record is corrected in two rounds so that no GPU is ever counted below its
   real use: first every wrong pod records its old *and* its real GPUs (a GPU is counted at
-  least once by whoever holds it), then each records its real GPUs only. Each write is a
-  merge patch under the pod's resourceVersion (a conflict re-reads at the next check).
+  least once by whoever holds it), then, once that holds for all of them and the kubelet
+  lists every pending pod (one not listed yet may be about to get the GPUs a wrong pod
+  records now), each records its real GPUs only. Each write is a merge patch under the
+  pod's resourceVersion (a conflict: the next check starts over).
 
 A pod the kubelet does not show yet stays pending (checked again at the next ``check``); a
 pod gone from the node is dropped. ``corrections`` is the pure rule.
@@ -117,7 +119,10 @@ class Correction:
 
     @property
     def both(self) -> ContainerDevices:
-        """Old and real devices together (the first round: nothing counted below its use)."""
+        """Old and real devices together (the first round: nothing counted below its use);
+        the record as it is when it holds the real ones already."""
+        if Counter(d.uuid for d in self.after) <= Counter(d.uuid for d in self.before):
+            return self.before
         return (*self.before, *self.after)
 
 
@@ -264,9 +269,13 @@ class IdentityFixer:
         pods = list(answer.get("items") or [])
         fixes, settled = corrections(pods, keys, given, held)
         done: set[str] = set(settled)
-        # Round one: every wrong pod counts its old and its real GPUs; round two: the real.
-        first = [f for f in fixes if self._write(f, f.both, f.pod)]
-        for f in first:
+        # Round one: every wrong pod counts its old and its real GPUs. Round two (the real
+        # ones alone) only once round one holds for all of them and the kubelet lists every
+        # pending pod: an unlisted one may not hold yet what it will get, the GPUs a wrong
+        # pod records now, so they must stay counted until it is listed.
+        unlisted = keys - settled - {f.key for f in fixes}
+        ready = all(f.both == f.before or self._write(f, f.both, f.pod) for f in fixes)
+        for f in fixes if ready and not unlisted else ():
             if self._write(f, f.after, None):
                 done.add(f.key)
                 self.corrected += 1

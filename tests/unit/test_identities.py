@@ -15,6 +15,7 @@ import pytest
 from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.devices import decode_devices
 from api.hami.keys import BIND_PHASE, DEVICES_ALLOCATED
+from api.kube.errors import ConflictError
 from api.podresources.v1 import api_pb2
 from node_agent.agent import NodeAgent
 from node_agent.allocator import Allocator
@@ -124,6 +125,70 @@ def test_a_swapped_hand_out_is_corrected_without_undercounting_a_gpu(
     assert kube.writes == writes + 4  # two rounds, two pods
     entry = decode_devices(kube.annotations(q)[DEVICES_ALLOCATED])[0][0]
     assert (entry.mem, entry.cores) == (1000, 10)
+
+
+def _swapped(kube: FakeKube, backend: SimulatedNvml) -> tuple[IdentityFixer, FakeLister]:
+    """p (G0) and q (G1) alike; the kubelet gave q p's entry and p q's."""
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    kube.add_pod(make_pod("q", devices=[[(G1, 1000, 10)]]))
+    alloc, fixer, lister = setup(kube, backend)
+    alloc.allocate([[f"{G0}-0"]])
+    alloc.allocate([[f"{G1}-0"]])
+    return fixer, lister
+
+
+P, Q = "/api/v1/namespaces/default/pods/p", "/api/v1/namespaces/default/pods/q"
+
+
+def test_a_pod_the_kubelet_does_not_list_yet_keeps_what_others_record_counted(
+    backend: SimulatedNvml,
+) -> None:
+    """q is listed holding G0 (p's entry); p is not listed yet and will get G1, which q
+    records: q may add G0 but not drop G1 until p is listed."""
+    kube = Recording({G0: 1, G1: 1})
+    fixer, lister = _swapped(kube, backend)
+    lister.held = {("default/q", "c0"): (f"{G0}-0",)}
+    assert fixer.check() is False
+    assert sorted(recorded(kube, Q)) == sorted([G1, G0])  # both: nothing under-counted
+    assert recorded(kube, P) == [G0]
+    writes = kube.writes
+    assert fixer.check() is False and kube.writes == writes  # no growing record meanwhile
+    lister.held[("default/p", "c0")] = (f"{G1}-0",)
+    assert fixer.check() is True
+    assert (recorded(kube, P), recorded(kube, Q)) == ([G1], [G0])
+
+
+class FailingNth(Recording):
+    """Answers its ``fail_at``-th write (counting from 1) with a conflict."""
+
+    def __init__(self, users: Mapping[str, int], fail_at: int) -> None:
+        super().__init__(users)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConflictError("PATCH", path, 409, "Conflict", "the object has been modified")
+        return super().merge_patch(path, patch, resource_version=resource_version)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_conflict_in_round_one_holds_round_two_back(backend: SimulatedNvml, fail_at: int) -> None:
+    """p's or q's first round fails: the other keeps its old and real GPUs (round two would
+    drop a GPU the failed one's holder still uses), and the next check finishes both."""
+    kube = FailingNth({G0: 1, G1: 1}, fail_at=2 + fail_at)  # after the two allocations
+    fixer, lister = _swapped(kube, backend)
+    lister.held = {("default/q", "c0"): (f"{G0}-0",), ("default/p", "c0"): (f"{G1}-0",)}
+    assert fixer.check() is False
+    if fail_at == 2:  # p's round one held, q's failed
+        assert sorted(recorded(kube, P)) == sorted([G0, G1]) and recorded(kube, Q) == [G1]
+    else:
+        assert (recorded(kube, P), recorded(kube, Q)) == ([G0], [G1])
+    assert fixer.check() is True
+    assert (recorded(kube, P), recorded(kube, Q)) == ([G1], [G0])
 
 
 def test_a_hand_out_that_named_the_right_pod_writes_nothing(backend: SimulatedNvml) -> None:
