@@ -10,6 +10,7 @@ socket lives in a directory its owner alone controls, and the socket itself is 0
   left by a process that did not stop cleanly (removed). A live socket, a symbolic link or
   any other file is refused, never followed or deleted.
 - ``restrict_socket`` makes a freshly bound socket 0600.
+- ``rpc_failure`` says what a call on such a socket answered when it failed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import socket
 import stat
 from pathlib import Path
+
+import grpc
 
 from api.errors import InvalidInputError
 
@@ -113,3 +116,8 @@ def is_socket(path: Path) -> bool:
         return stat.S_ISSOCK(path.lstat().st_mode)
     except FileNotFoundError:
         return False
+
+
+def rpc_failure(e: grpc.RpcError) -> str:
+    """``CODE: details`` of a failed call (its repr when it carries no status)."""
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else repr(e)

@@ -49,6 +49,7 @@ from api.hami.keys import DEVICES_ALLOCATED
 from api.kube.errors import ConflictError, KubeError, NotFoundError
 from api.kube.objects import all_containers, annotations_of, as_object, finished, pod_key
 from api.podresources.v1 import api_pb2
+from api.sockets import rpc_failure
 from node_agent.deviceplugin.ids import gpu_of
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class KubeletPodResources:
             try:
                 answer = call(api_pb2.ListPodResourcesRequest(), timeout=LIST_TIMEOUT_S)
             except grpc.RpcError as e:
-                detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else repr(e)
+                detail = rpc_failure(e)
                 raise PodResourcesError(
                     f"list pod resources at {self.socket_path}: {detail}"
                 ) from e

@@ -25,7 +25,7 @@ import structlog
 
 from api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from api.errors import InvalidInputError, TemporaryError, TesseraError
-from api.sockets import claim_socket_path, ensure_private_dir, restrict_socket
+from api.sockets import claim_socket_path, ensure_private_dir, restrict_socket, rpc_failure
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, gpu_of, prefer_spread
 from node_agent.deviceplugin.types import (
     AllocateHandler,
@@ -408,7 +408,7 @@ class DevicePluginServer:
             try:
                 register(request, timeout=self._register_timeout_s, wait_for_ready=False)
             except grpc.RpcError as e:
-                detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else repr(e)
+                detail = rpc_failure(e)
                 raise TemporaryError(
                     f"register {self.resource_name} with the kubelet at {self.kubelet_socket}: "
                     f"{detail}; is the kubelet running?"

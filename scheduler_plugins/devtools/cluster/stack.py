@@ -23,6 +23,7 @@ import structlog
 import yaml
 
 from api.plugin.v1 import plugin_pb2, plugin_pb2_grpc
+from api.sockets import rpc_failure
 from scheduler_plugins.devtools.cluster import processes
 from scheduler_plugins.devtools.cluster.errors import ClusterError
 from scheduler_plugins.devtools.cluster.jaeger import JAEGER, stop_jaeger
@@ -286,7 +287,7 @@ def _probe_plugin_server(socket: Path) -> str | None:
                 timeout=2.0,
             )
         except grpc.RpcError as e:
-            return f"{e.code().name}: {e.details()}"
+            return rpc_failure(e)
     return None
 
 
