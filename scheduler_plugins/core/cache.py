@@ -669,11 +669,9 @@ class ClusterCache:
             node, counts, alike = entry
             for c in counts:
                 self._busy_add(c, node, 1)
-            if alike is not None and len(counts) == 1:
+            if alike is not None:  # a key means one GPU container: counted under one count
                 per_node = self._alike.setdefault(alike, {})
                 per_node[node] = per_node.get(node, 0) + 1
-            elif alike is not None:
-                self._inflight[key] = (node, counts, None)  # one count each, or none alike
 
     def claim(
         self,
