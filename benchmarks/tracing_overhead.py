@@ -76,7 +76,7 @@ def handler_call(tracing: Tracing, mode: str) -> Callable[[], object]:
         return response
 
     def traced() -> pb.ReserveResponse:
-        with tracing.server_span("Reserve", context, request) as span:
+        with tracing.server_span("Reserve", context.invocation_metadata(), request) as span:
             with tracing.span("reserve"):
                 pass
             record_response(span, response)

@@ -14,7 +14,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -150,11 +150,55 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def PreFilter(
         self, request: pb.PreFilterRequest, context: grpc.ServicerContext
     ) -> pb.PreFilterResponse:
-        response = _handle(
-            self._prefilter, request, context, "PreFilter", self._tracing, self._metrics
+        return _handle(self._prefilter, request, context, "PreFilter", self._tracing, self._metrics)
+
+    def Cycle(
+        self, requests: Iterator[pb.CycleRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.CycleResponse]:
+        """The scheduling cycle's calls, answered one at a time in the order they come: a
+        Reserve is counted before the PreFilter sent after it decides."""
+        for request in requests:
+            yield self._cycle_call(request, context)
+
+    def _cycle_call(
+        self, request: pb.CycleRequest, context: grpc.ServicerContext
+    ) -> pb.CycleResponse:
+        call = request.WhichOneof("call")
+        trace = request.trace_context.items() if self._tracing.enabled else None
+        try:
+            if call == "pre_filter":
+                return pb.CycleResponse(
+                    id=request.id,
+                    pre_filter=_run(
+                        self._prefilter,
+                        request.pre_filter,
+                        context,
+                        "PreFilter",
+                        trace,
+                        self._tracing,
+                        self._metrics,
+                    ),
+                )
+            if call == "reserve":
+                return pb.CycleResponse(
+                    id=request.id,
+                    reserve=_run(
+                        self._reserve,
+                        request.reserve,
+                        context,
+                        "Reserve",
+                        trace,
+                        self._tracing,
+                        self._metrics,
+                    ),
+                )
+        except _Abort as e:
+            return pb.CycleResponse(id=request.id, code=e.code.value[0], message=e.message)
+        return pb.CycleResponse(
+            id=request.id,
+            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            message=f"Cycle request {request.id} carries no call (pre_filter or reserve)",
         )
-        self._metrics.count_answer(response.code)
-        return response
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -188,6 +232,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def _prefilter(
         self, request: pb.PreFilterRequest, context: grpc.ServicerContext
     ) -> pb.PreFilterResponse:
+        response = self._decide(request)
+        self._metrics.count_answer(response.code)
+        return response
+
+    def _decide(self, request: pb.PreFilterRequest) -> pb.PreFilterResponse:
         self._check_version(request.version)
         self._check_ready()
         try:
@@ -455,20 +504,39 @@ def _handle(
     tracing: Tracing,
     metrics: SchedulingMetrics,
 ) -> Resp:
+    """A unary call: ``_run``, its failure as the call's status."""
+    trace = context.invocation_metadata() if tracing.enabled else None
+    try:
+        return _run(fn, request, context, method, trace, tracing, metrics)
+    except _Abort as e:
+        context.abort(e.code, e.message)
+
+
+def _run(
+    fn: Callable[[Req, grpc.ServicerContext], Resp],
+    request: Req,
+    context: grpc.ServicerContext,
+    method: str,
+    trace: Iterable[tuple[str, str | bytes]] | None,
+    tracing: Tracing,
+    metrics: SchedulingMetrics,
+) -> Resp:
+    """``fn``'s answer to one call of ``method``, in its span (a child of ``trace``'s), timed;
+    a failure is an ``_Abort`` with its status code (an unexpected error: INTERNAL, logged)."""
     started = time.perf_counter()
     code = grpc.StatusCode.OK
-    with tracing.server_span(method, context, request) as span:
+    with tracing.server_span(method, trace, request) as span:
         try:
             response = fn(request, context)
         except _Abort as e:
             code = e.code
             record_abort(span, e.code, e.message)
-            context.abort(e.code, e.message)
+            raise
         except Exception as e:
             code = grpc.StatusCode.INTERNAL
             log.exception("handler failed", method=method, pod=_pod_key(request), error=repr(e))
             record_abort(span, grpc.StatusCode.INTERNAL, repr(e))
-            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {e!r}")
+            raise _Abort(grpc.StatusCode.INTERNAL, f"{method} failed: {e!r}") from e
         finally:
             metrics.observe_rpc(method, code.name, time.perf_counter() - started)
         record_response(span, response)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 import grpc
@@ -127,17 +127,22 @@ class Tracing:
     def server_span(
         self,
         method: str,
-        context: grpc.ServicerContext,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
         request: Any,
     ) -> contextlib.AbstractContextManager[Span | None]:
-        """The RPC's span, a child of the shim's call span when the metadata carries one."""
+        """The call's span, a child of the shim's call span when ``metadata`` (a unary call's
+        invocation metadata, a Cycle request's trace context) carries one."""
         if self._tracer is None:
             return _NO_SPAN
-        return self._server_span(self._tracer, method, context, request)
+        return self._server_span(self._tracer, method, metadata, request)
 
     @contextlib.contextmanager
     def _server_span(
-        self, tracer: Tracer, method: str, context: grpc.ServicerContext, request: Any
+        self,
+        tracer: Tracer,
+        method: str,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
+        request: Any,
     ) -> Iterator[Span]:
         attributes: dict[str, str] = {
             "rpc.system": "grpc",
@@ -147,7 +152,7 @@ class Tracing:
         }
         with tracer.start_as_current_span(
             f"{RPC_SERVICE}/{method}",
-            context=extract(context.invocation_metadata()),
+            context=extract(metadata),
             kind=SpanKind.SERVER,
             attributes=attributes,
             # The handler wrapper records aborts with their gRPC code; context.abort's own
@@ -187,9 +192,12 @@ def service_resource(default_service: str) -> Resource:
     )
 
 
-def extract(metadata: Any) -> Context | None:
-    """The trace context in gRPC invocation metadata, or None when it carries none."""
-    carrier = {key: value for key, value in metadata or () if key in _CARRIED}
+def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """The trace context in gRPC invocation metadata (key/value pairs), or None when it
+    carries none."""
+    carrier = {
+        key: value for key, value in metadata or () if key in _CARRIED and isinstance(value, str)
+    }
     if not carrier:
         return None
     return _PROPAGATOR.extract(carrier)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import stat
 import tempfile
@@ -432,6 +433,91 @@ def test_unavailable_until_state_is_rebuilt(h_not_ready: Harness) -> None:
     h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="n"))  # idempotent: OK
     h.ready.set()
     assert h.prefilter(make_pod("p").gpu(1).build()).code == OK
+
+
+# ----- Cycle (the shim's stream) --------------------------------------------------------------
+
+
+class CycleStream:
+    """The shim's end of a Cycle stream: send without waiting, read answers in order."""
+
+    def __init__(self, stub: pb_grpc.SchedulerStub) -> None:
+        self._out: queue.Queue[pb.CycleRequest | None] = queue.Queue()
+        self._answers = stub.Cycle(iter(self._out.get, None), timeout=30)
+        self._next = 0
+
+    def send(self, **call: Any) -> int:
+        self._next += 1
+        self._out.put(pb.CycleRequest(id=self._next, **call))
+        return self._next
+
+    def answer(self) -> pb.CycleResponse:
+        return next(self._answers)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._out.put(None)
+
+
+@pytest.fixture
+def stream(h: Harness) -> Iterator[CycleStream]:
+    s = CycleStream(h.stub)
+    yield s
+    s.close()
+
+
+def test_cycle_counts_a_reserve_before_the_prefilter_sent_after_it(
+    h: Harness, stream: CycleStream
+) -> None:
+    """The shim does not wait for Reserve's answer: the next PreFilter must see it anyway."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1)))
+    stream.send(pre_filter=prefilter_req(make_pod("a").gpu(1).build()))
+    first = stream.answer()
+    assert first.code == 0 and first.pre_filter.code == OK
+    reserve = pb.ReserveRequest(
+        version=V1, pod=ref("a"), node="n", decision_id=first.pre_filter.decision_id, hand_over=True
+    )
+    ids = (
+        stream.send(reserve=reserve),
+        stream.send(pre_filter=prefilter_req(make_pod("b").gpu(1).build())),
+    )
+    reserved, second = stream.answer(), stream.answer()
+    assert (reserved.id, second.id) == ids
+    assert reserved.code == 0 and reserved.reserve.annotations[ann.VGPU_NODE] == "n"
+    assert second.pre_filter.code == pb.PreFilterResponse.UNSCHEDULABLE
+    assert "no free vGPU slot" in second.pre_filter.message
+
+
+def test_cycle_answers_a_failed_call_with_its_code_and_goes_on(
+    h: Harness, stream: CycleStream
+) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    stream.send(reserve=pb.ReserveRequest(version=V1, pod=ref("ghost"), node="n", decision_id=7))
+    stream.send()  # no call at all
+    stream.send(reserve=pb.ReserveRequest(version=V1, pod=pb.PodRef(name="Bad_Name"), node="n"))
+    stream.send(pre_filter=prefilter_req(make_pod("p").gpu(1).build()))
+    ghost, empty, bad, ok = (stream.answer() for _ in range(4))
+    assert ghost.code == grpc.StatusCode.ABORTED.value[0] and "schedule it again" in ghost.message
+    assert not ghost.HasField("reserve")
+    assert empty.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "carries no call" in empty.message
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "Bad_Name" in bad.message
+    assert ok.code == 0 and ok.pre_filter.code == OK
+
+
+def test_cycle_is_unavailable_until_state_is_rebuilt(h_not_ready: Harness) -> None:
+    h = h_not_ready
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    stream = CycleStream(h.stub)
+    try:
+        stream.send(pre_filter=prefilter_req(make_pod("p").gpu(1).build()))
+        answer = stream.answer()
+        assert answer.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "rebuilding" in answer.message
+        h.ready.set()
+        stream.send(pre_filter=prefilter_req(make_pod("p").gpu(1).build()))
+        assert stream.answer().pre_filter.code == OK
+    finally:
+        stream.close()
 
 
 # ----- Reserve / Unreserve / PreBind ----------------------------------------------------------

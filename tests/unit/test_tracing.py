@@ -176,6 +176,38 @@ def test_server_spans_continue_the_shims_trace_with_child_spans(traced: Traced) 
     assert prefilter[ATTR_DECISION_ID] == r.decision_id
 
 
+def test_each_cycle_call_continues_the_trace_its_request_carries(traced: Traced) -> None:
+    """A stream has metadata once; each Cycle request carries its own call's trace context."""
+    pod = make_pod("p").gpu(1, mem=1000).build()
+    pod["metadata"]["uid"] = "uid-p"
+    prefilter = pb.PreFilterRequest(version=V1, pod=_ref("p"), pod_json=json.dumps(pod).encode())
+    other = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba90200-01"
+    answers = traced.stub.Cycle(
+        iter(
+            [
+                pb.CycleRequest(
+                    id=1, pre_filter=prefilter, trace_context={"traceparent": TRACEPARENT}
+                ),
+                pb.CycleRequest(
+                    id=2,
+                    reserve=pb.ReserveRequest(version=V1, pod=_ref("p"), node="node1"),
+                    trace_context={"traceparent": other},
+                ),
+            ]
+        ),
+        timeout=10,
+    )
+    assert [a.id for a in answers] == [1, 2]
+    spans = traced.spans()
+    parents = {
+        method: spans[f"{RPC_SERVICE}/{method}"].parent for method in ("PreFilter", "Reserve")
+    }
+    assert all(p is not None and p.is_remote for p in parents.values())
+    assert format_span_id(parents["PreFilter"].span_id) == SHIM_SPAN_ID  # type: ignore[union-attr]
+    assert format_span_id(parents["Reserve"].span_id) == "00f067aa0ba90200"  # type: ignore[union-attr]
+    assert _hex_ids(spans["decide"])[0] == TRACE_ID
+
+
 def test_a_call_without_trace_context_starts_its_own_trace(traced: Traced) -> None:
     _prefilter(traced.stub, "p")
     span = traced.spans()[f"{RPC_SERVICE}/PreFilter"]

@@ -156,6 +156,39 @@ class PreBindResponse(_message.Message):
     labels: _containers.ScalarMap[str, str]
     def __init__(self, annotations: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class CycleRequest(_message.Message):
+    __slots__ = ("id", "pre_filter", "reserve", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PRE_FILTER_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pre_filter: PreFilterRequest
+    reserve: ReserveRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., pre_filter: _Optional[_Union[PreFilterRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CycleResponse(_message.Message):
+    __slots__ = ("id", "code", "message", "pre_filter", "reserve")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PRE_FILTER_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
+    pre_filter: PreFilterResponse
+    reserve: ReserveResponse
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., pre_filter: _Optional[_Union[PreFilterResponse, _Mapping]] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+
 class ExplainRequest(_message.Message):
     __slots__ = ("version", "pod", "decision_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]

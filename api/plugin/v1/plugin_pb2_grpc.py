@@ -34,6 +34,11 @@ class SchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Cycle = channel.stream_stream(
+                '/tessera.plugin.v1.Scheduler/Cycle',
+                request_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.CycleRequest.SerializeToString,
+                response_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.CycleResponse.FromString,
+                _registered_method=True)
         self.PreFilter = channel.unary_unary(
                 '/tessera.plugin.v1.Scheduler/PreFilter',
                 request_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.PreFilterRequest.SerializeToString,
@@ -68,6 +73,19 @@ class SchedulerStub:
 
 class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Cycle(self, request_iterator, context):
+        """The scheduling cycle's calls, in the order kube-scheduler makes them: the server handles a
+        stream's requests one at a time, in the order sent, and answers each (matched by id).
+        So a Reserve the shim has not waited for is counted before the next PreFilter decides;
+        its answer (annotations, or ABORTED) is read in the pod's binding cycle. A request's
+        failure is its response's code, never the stream's: the stream ends only when the shim
+        closes it or the connection breaks (then every unanswered request is lost, and what
+        Reserve may have counted is released as for any reservation never bound).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def PreFilter(self, request, context):
         """Every node's verdict and score for one pod, computed once per cycle.
@@ -125,6 +143,11 @@ class SchedulerServicer:
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Cycle': grpc.stream_stream_rpc_method_handler(
+                    servicer.Cycle,
+                    request_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.CycleRequest.FromString,
+                    response_serializer=api_dot_plugin_dot_v1_dot_plugin__pb2.CycleResponse.SerializeToString,
+            ),
             'PreFilter': grpc.unary_unary_rpc_method_handler(
                     servicer.PreFilter,
                     request_deserializer=api_dot_plugin_dot_v1_dot_plugin__pb2.PreFilterRequest.FromString,
@@ -165,6 +188,33 @@ def add_SchedulerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Cycle(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tessera.plugin.v1.Scheduler/Cycle',
+            api_dot_plugin_dot_v1_dot_plugin__pb2.CycleRequest.SerializeToString,
+            api_dot_plugin_dot_v1_dot_plugin__pb2.CycleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def PreFilter(request,

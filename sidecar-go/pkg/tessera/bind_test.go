@@ -105,10 +105,10 @@ func TestReserveHandOverSkipsPreBindAndBindCarriesTheAnnotations(t *testing.T) {
 			if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
 				t.Fatalf("Reserve = %v", st)
 			}
+			_, pre := p.PreBindPreFlight(ctx, state, pod, "n1") // reads Reserve's answer
 			if _, r, _, _ := fake_.last(); r.GetHandOver() != tc.wantAsk {
 				t.Errorf("ReserveRequest.hand_over = %v, want %v", r.GetHandOver(), tc.wantAsk)
 			}
-			_, pre := p.PreBindPreFlight(ctx, state, pod, "n1")
 			if skipped := pre.Code() == fwk.Skip; skipped == tc.wantPreBind {
 				t.Errorf("PreBindPreFlight = %v, want PreBind to run: %v", pre, tc.wantPreBind)
 			}

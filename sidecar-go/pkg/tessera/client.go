@@ -43,25 +43,40 @@ func dial(args *Args) (*grpc.ClientConn, error) {
 var traceContext = propagation.TraceContext{}
 
 // propagateTraceContext puts the caller's trace context into the outgoing metadata so one trace
-// spans the shim and the plugin server: the span in ctx if there is one (the call's client
-// span), else a traceparent that arrived in incoming gRPC metadata. Without either (tracing
-// off) it adds nothing and allocates nothing.
+// spans the shim and the plugin server (outgoingTraceContext). Without one (tracing off) it
+// adds nothing and allocates nothing.
 func propagateTraceContext(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
 	invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	if trace.SpanContextFromContext(ctx).IsValid() {
-		carrier := propagation.MapCarrier{}
-		traceContext.Inject(ctx, carrier)
+	if carrier := outgoingTraceContext(ctx); len(carrier) > 0 {
 		ctx = appendOutgoing(ctx, carrier)
-	} else if in, ok := metadata.FromIncomingContext(ctx); ok {
-		carrier := propagation.MapCarrier{}
+	}
+	return invoker(ctx, method, req, reply, cc, opts...)
+}
+
+// traceCarried says whether a call made in ctx has a trace context to pass on: the span in
+// ctx (the call's client span), or a traceparent that arrived in incoming gRPC metadata.
+func traceCarried(ctx context.Context) bool {
+	if trace.SpanContextFromContext(ctx).IsValid() {
+		return true
+	}
+	_, ok := metadata.FromIncomingContext(ctx)
+	return ok
+}
+
+// injectTraceContext writes ctx's trace context into carrier (traceCarried's sources, in
+// that order).
+func injectTraceContext(ctx context.Context, carrier propagation.MapCarrier) {
+	if trace.SpanContextFromContext(ctx).IsValid() {
+		traceContext.Inject(ctx, carrier)
+		return
+	}
+	if in, ok := metadata.FromIncomingContext(ctx); ok {
 		for _, key := range traceContext.Fields() {
 			if v := in.Get(key); len(v) > 0 {
 				carrier[key] = v[0]
 			}
 		}
-		ctx = appendOutgoing(ctx, carrier)
 	}
-	return invoker(ctx, method, req, reply, cc, opts...)
 }
 
 func appendOutgoing(ctx context.Context, carrier propagation.MapCarrier) context.Context {

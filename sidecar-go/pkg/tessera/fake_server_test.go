@@ -2,6 +2,8 @@ package tessera
 
 import (
 	"context"
+	"errors"
+	"io"
 	"net"
 	"path/filepath"
 	"slices"
@@ -40,6 +42,8 @@ type fakeServer struct {
 	bindWaits int // PreBind answers ResourceExhausted ("ask again") this many times first
 	// noAnnotations: PreBind answers no annotations (a broken server).
 	noAnnotations bool
+	// reserveGate: Reserve answers only once it is closed (nil: at once).
+	reserveGate chan struct{}
 	// reserveHandsOver: a Reserve asking for hand-over gets the annotations (nothing to wait
 	// for on the node), as the real server answers.
 	reserveHandsOver bool
@@ -84,6 +88,12 @@ func (s *fakeServer) Reserve(ctx context.Context, req *pluginv1.ReserveRequest) 
 		return nil, err
 	}
 	s.mu.Lock()
+	gate := s.reserveGate
+	s.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
+	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.lastRes = req
 	if s.reserveHandsOver && req.GetHandOver() {
@@ -93,6 +103,47 @@ func (s *fakeServer) Reserve(ctx context.Context, req *pluginv1.ReserveRequest) 
 		}, nil
 	}
 	return &pluginv1.ReserveResponse{}, nil
+}
+
+// Cycle answers the stream's calls one at a time, in order, as the real server does; each
+// call's trace context is its incoming metadata.
+func (s *fakeServer) Cycle(stream pluginv1.Scheduler_CycleServer) error {
+	for {
+		req, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		ctx := stream.Context()
+		if len(req.GetTraceContext()) > 0 {
+			ctx = metadata.NewIncomingContext(ctx, metadata.New(req.GetTraceContext()))
+		}
+		resp := &pluginv1.CycleResponse{Id: req.GetId()}
+		var callErr error
+		switch call := req.GetCall().(type) {
+		case *pluginv1.CycleRequest_PreFilter:
+			var answer *pluginv1.PreFilterResponse
+			if answer, callErr = s.PreFilter(ctx, call.PreFilter); callErr == nil {
+				resp.Answer = &pluginv1.CycleResponse_PreFilter{PreFilter: answer}
+			}
+		case *pluginv1.CycleRequest_Reserve:
+			var answer *pluginv1.ReserveResponse
+			if answer, callErr = s.Reserve(ctx, call.Reserve); callErr == nil {
+				resp.Answer = &pluginv1.CycleResponse_Reserve{Reserve: answer}
+			}
+		default:
+			callErr = status.Error(codes.InvalidArgument, "the request carries no call")
+		}
+		if callErr != nil {
+			st := status.Convert(callErr)
+			resp.Code, resp.Message = uint32(st.Code()), st.Message()
+		}
+		if err := stream.Send(resp); err != nil {
+			return err
+		}
+	}
 }
 
 func (s *fakeServer) Unreserve(ctx context.Context, req *pluginv1.UnreserveRequest) (*pluginv1.UnreserveResponse, error) {

@@ -2,6 +2,7 @@ package tessera
 
 import (
 	"context"
+	fwk "k8s.io/kube-scheduler/framework"
 	"strings"
 	"testing"
 
@@ -49,6 +50,9 @@ func TestGangTrialReserveIsNeverHandedOver(t *testing.T) {
 	state.SetPodGroupSchedulingCycle(nil)
 	if st := p.Reserve(context.Background(), state, pod, "n1"); !st.IsSuccess() {
 		t.Fatalf("Reserve = %v", st)
+	}
+	if _, st := p.PreBindPreFlight(context.Background(), state, pod, "n1"); st.Code() != fwk.Skip {
+		t.Errorf("admitted member's PreBindPreFlight = %v, want Skip (handed over at Reserve)", st)
 	}
 	if _, r, _, _ := fake.last(); r.GetTrial() || !r.GetHandOver() {
 		t.Errorf("admitted member's ReserveRequest = %v, want hand-over", r)

@@ -1,7 +1,8 @@
 // Package tessera is the kube-scheduler framework plugin that forwards Tessera's scheduling
 // decisions to the Python plugin server over gRPC. It owns no scheduling logic: PreFilter asks the
 // server once per cycle for every node's verdict and score, Filter and Score read that answer from
-// CycleState, and Reserve/Unreserve/PreBind are single calls. Only preemption's dry run asks
+// CycleState; PreFilter and Reserve travel over one ordered stream and the binding cycle reads
+// Reserve's answer, and Unreserve/PreBind are single calls. Only preemption's dry run asks
 // more: FilterWhatIf, for a preemptible node some of whose GPU pods count as gone. Pods that
 // request no Tessera resource never reach the server.
 package tessera
@@ -170,6 +171,8 @@ type Plugin struct {
 	args      Args
 	resources resourceNames
 	client    pluginv1.SchedulerClient
+	// cycle carries PreFilter and Reserve, in order, over one stream.
+	cycle *cycleStream
 	// tracing is off (zero) unless built by NewWithTracing with a provider.
 	tracing tracing
 	// closeConn releases the gRPC connection; nil when the client was injected.
@@ -233,6 +236,7 @@ func newPlugin(args *Args, client pluginv1.SchedulerClient) *Plugin {
 			v1.ResourceName(args.ResourceMemoryPercentageName), v1.ResourceName(args.ResourceCoreName),
 		},
 		client: client,
+		cycle:  newCycleStream(client),
 	}
 }
 
@@ -241,6 +245,7 @@ func (p *Plugin) Name() string { return Name }
 
 // Close releases the gRPC connection (kube-scheduler calls it on shutdown via io.Closer).
 func (p *Plugin) Close() error {
+	p.cycle.Close()
 	if p.closeConn == nil {
 		return nil
 	}

@@ -22,11 +22,15 @@ const (
 	preBindRetryMax   = 2 * time.Second
 )
 
-// PreBindPreFlight skips PreBind for pods without a Tessera decision and for pods whose
-// annotations Reserve already handed over. PreBind only patches the pod's own annotations, so
-// it may run in parallel with other plugins' PreBind.
-func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, _ *v1.Pod, _ string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
-	if _, err := readDecision(state); err != nil || handedOverAtReserve(state) {
+// PreBindPreFlight reads Reserve's answer (the binding cycle's first step) and skips PreBind
+// for pods without a Tessera decision and for pods whose annotations Reserve handed over.
+// PreBind only patches the pod's own annotations, so it may run in parallel with other
+// plugins' PreBind. A failed Reserve is PreBind's to report (a pre-flight may not reject).
+func (p *Plugin) PreBindPreFlight(ctx context.Context, state fwk.CycleState, _ *v1.Pod, nodeName string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
+	if _, err := readDecision(state); err != nil {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
+	if p.settleReserve(ctx, state, nodeName).IsSuccess() && handedOverAtReserve(state) {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
@@ -38,12 +42,19 @@ func handedOverAtReserve(state fwk.CycleState) bool {
 	return err == nil
 }
 
-// PreBind asks the server for the reservation's annotations: Bind then carries them in the
+// PreBind reports a failed Reserve, else asks the server for the reservation's annotations
+// unless Reserve handed them over: Bind then carries them in the
 // Binding (hand-over), or, when Tessera is not the first bind plugin, the server writes them
 // before DefaultBinder binds. Any failure is an Error so kube-scheduler unreserves and retries
 // the pod instead of binding it without them.
 func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
-	if _, err := readDecision(state); err != nil || handedOverAtReserve(state) {
+	if _, err := readDecision(state); err != nil {
+		return nil
+	}
+	if st := p.settleReserve(ctx, state, nodeName); !st.IsSuccess() {
+		return st
+	}
+	if handedOverAtReserve(state) {
 		return nil
 	}
 	ctx, traced := p.tracing.startPhase(ctx, state, SpanPreBind, "PreBind", pod, nodeName)

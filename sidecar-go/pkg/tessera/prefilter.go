@@ -100,7 +100,7 @@ func encodePod(pod *v1.Pod) ([]byte, error) {
 func (p *Plugin) askPreFilter(ctx context.Context, pod *v1.Pod, podJSON []byte) (*pluginv1.PreFilterResponse, error) {
 	callCtx, cancel := context.WithTimeout(ctx, p.args.Timeout.Duration)
 	defer cancel()
-	return p.client.PreFilter(callCtx, &pluginv1.PreFilterRequest{
+	return p.cycle.preFilter(callCtx, &pluginv1.PreFilterRequest{
 		Version:        pluginv1.ProtocolVersion_PROTOCOL_VERSION_1,
 		Pod:            podRef(pod),
 		PodJson:        podJSON,

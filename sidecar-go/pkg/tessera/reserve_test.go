@@ -32,10 +32,14 @@ func TestReserveSendsDecisionAndMapsErrors(t *testing.T) {
 	if st := p.Reserve(ctx, state, pod, "n2"); !st.IsSuccess() {
 		t.Fatalf("Reserve = %v", st)
 	}
+	if st := p.PreBind(ctx, state, pod, "n2"); !st.IsSuccess() {
+		t.Fatalf("PreBind = %v", st)
+	}
 	if _, r, _, _ := fake.last(); r.GetNode() != "n2" || r.GetDecisionId() != 42 || r.GetPod().GetUid() != "uid-p" {
 		t.Errorf("ReserveRequest = %v", r)
 	}
 
+	// The answer is read in the binding cycle: PreBind (and Bind) fail as Reserve would have.
 	cases := []struct {
 		name     string
 		err      error
@@ -50,11 +54,55 @@ func TestReserveSendsDecisionAndMapsErrors(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			state := decided(t, fake, p)
 			fake.set(func(s *fakeServer) { s.err = tc.err })
-			st := p.Reserve(ctx, state, pod, "n2")
-			if st.Code() != tc.wantCode || !strings.Contains(st.Message(), tc.wantMsg) {
-				t.Errorf("Reserve = %v %q, want %v containing %q", st.Code(), st.Message(), tc.wantCode, tc.wantMsg)
+			if st := p.Reserve(ctx, state, pod, "n2"); !st.IsSuccess() {
+				t.Fatalf("Reserve = %v, want Success (the answer is read in the binding cycle)", st)
+			}
+			if _, st := p.PreBindPreFlight(ctx, state, pod, "n2"); !st.IsSuccess() {
+				t.Errorf("PreBindPreFlight = %v, want Success (PreBind reports the failure)", st)
+			}
+			for _, step := range []struct {
+				name string
+				st   *fwk.Status
+			}{{"PreBind", p.PreBind(ctx, state, pod, "n2")}, {"Bind", p.Bind(ctx, state, pod, "n2")}} {
+				if step.st.Code() != tc.wantCode || !strings.Contains(step.st.Message(), tc.wantMsg) {
+					t.Errorf("%s = %v %q, want %v containing %q", step.name, step.st.Code(), step.st.Message(), tc.wantCode, tc.wantMsg)
+				}
 			}
 		})
+	}
+}
+
+func TestReserveDoesNotWaitAndUnreserveFollowsItsAnswer(t *testing.T) {
+	fake, p := startFake(t, nil)
+	pod := makePod("p").gpu("1").obj()
+	ctx := context.Background()
+	state := decided(t, fake, p)
+	gate := make(chan struct{})
+	fake.set(func(s *fakeServer) { s.reserveGate = gate })
+
+	// The server holds Reserve's answer: the scheduling cycle goes on regardless.
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	unreserved := make(chan struct{})
+	go func() {
+		p.Unreserve(ctx, state, pod, "n1")
+		close(unreserved)
+	}()
+	// Unreserve must not overtake the Reserve it releases: it waits for the answer. (A
+	// broken one would reach the server within this pause; the correct one never needs it.)
+	select {
+	case <-unreserved:
+		t.Error("Unreserve returned while the Reserve it releases was unanswered")
+	case <-time.After(100 * time.Millisecond):
+	}
+	if got := fake.count("Unreserve"); got != 0 {
+		t.Errorf("Unreserve reached the server before the Reserve it releases was answered (%d calls)", got)
+	}
+	close(gate)
+	<-unreserved
+	if got := fake.count("Unreserve"); got != 1 {
+		t.Errorf("Unreserve calls = %d, want 1", got)
 	}
 }
 

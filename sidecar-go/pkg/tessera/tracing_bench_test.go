@@ -27,6 +27,46 @@ func (c memClient) Reserve(ctx context.Context, _ *pluginv1.ReserveRequest, _ ..
 	return &pluginv1.ReserveResponse{}, intercept(ctx, "Reserve")
 }
 
+// Cycle answers each call at once from a goroutine, as the server answers the stream.
+func (c memClient) Cycle(ctx context.Context, _ ...grpc.CallOption) (grpc.BidiStreamingClient[pluginv1.CycleRequest, pluginv1.CycleResponse], error) {
+	s := &memStream{ctx: ctx, out: make(chan *pluginv1.CycleResponse, 16)}
+	s.answer = func(req *pluginv1.CycleRequest) *pluginv1.CycleResponse {
+		resp := &pluginv1.CycleResponse{Id: req.GetId()}
+		if req.GetPreFilter() != nil {
+			resp.Answer = &pluginv1.CycleResponse_PreFilter{PreFilter: c.preFilter}
+		} else {
+			resp.Answer = &pluginv1.CycleResponse_Reserve{Reserve: &pluginv1.ReserveResponse{}}
+		}
+		return resp
+	}
+	return s, nil
+}
+
+// memStream is an in-memory Cycle stream: Send queues the answer, Recv returns it.
+type memStream struct {
+	grpc.ClientStream
+	ctx    context.Context
+	out    chan *pluginv1.CycleResponse
+	answer func(*pluginv1.CycleRequest) *pluginv1.CycleResponse
+}
+
+func (s *memStream) Send(req *pluginv1.CycleRequest) error {
+	if err := intercept(s.ctx, "Cycle"); err != nil {
+		return err
+	}
+	s.out <- s.answer(req)
+	return nil
+}
+
+func (s *memStream) Recv() (*pluginv1.CycleResponse, error) {
+	select {
+	case resp := <-s.out:
+		return resp, nil
+	case <-s.ctx.Done():
+		return nil, s.ctx.Err()
+	}
+}
+
 func (c memClient) Unreserve(ctx context.Context, _ *pluginv1.UnreserveRequest, _ ...grpc.CallOption) (*pluginv1.UnreserveResponse, error) {
 	return &pluginv1.UnreserveResponse{}, intercept(ctx, "Unreserve")
 }

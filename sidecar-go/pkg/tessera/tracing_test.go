@@ -179,8 +179,11 @@ func TestFailedReserveThenUnreserveEndsAttempt(t *testing.T) {
 	ctx := context.Background()
 	p.PreFilter(ctx, state, pod, nil)
 	fake.set(func(s *fakeServer) { s.err = status.Error(grpccodes.Aborted, "GPU-1 full") })
-	if st := p.Reserve(ctx, state, pod, "n1"); st.Code() != fwk.Unschedulable {
-		t.Fatalf("Reserve = %v", st)
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v, want Success (the answer is read in the binding cycle)", st)
+	}
+	if st := p.PreBind(ctx, state, pod, "n1"); st.Code() != fwk.Unschedulable {
+		t.Fatalf("PreBind after a failed Reserve = %v", st)
 	}
 	if got := ended(t, rec).order; len(got) != 2 {
 		t.Fatalf("after a failed Reserve ended %v, want PreFilter and Reserve only (root open)", got)
@@ -208,6 +211,7 @@ func TestFailedPreBindEndsAttemptAndUnreserveJoinsIt(t *testing.T) {
 	pod := makePod("p").gpu("1").obj()
 	ctx := context.Background()
 	p.Reserve(ctx, state, pod, "n1")
+	p.PreBindPreFlight(ctx, state, pod, "n1") // Reserve's answer
 	fake.set(func(s *fakeServer) { s.err = status.Error(grpccodes.Internal, "patch failed") })
 	if st := p.PreBind(ctx, state, pod, "n1"); st.IsSuccess() {
 		t.Fatal("PreBind succeeded")
