@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,6 +294,18 @@ def test_up_again_keeps_what_is_healthy_and_restarts_what_is_not(
     env = tessera("env", "--name", local.name).stdout
     assert f"export KUBECONFIG={s.kubeconfig}" in env
     assert "TESSERA_METRICS_URL=http://127.0.0.1:" in env
+    # kube-scheduler's own metrics (scheduling cycle, extension points) on loopback, readable
+    # without credentials like its health checks.
+    url = next(
+        line.split("=", 1)[1]
+        for line in env.splitlines()
+        if line.startswith("export TESSERA_SCHEDULER_METRICS_URL=")
+    )
+    assert url.startswith("https://127.0.0.1:")
+    insecure = ssl.create_default_context()
+    insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+    with urllib.request.urlopen(url, timeout=10, context=insecure) as resp:
+        assert "scheduler_framework_extension_point_duration_seconds" in resp.read().decode()
 
 
 def test_up_with_jaeger_traces_each_pod(built_tools: Path) -> None:

@@ -214,6 +214,26 @@ def test_markdown_puts_nodes_used_and_prebind_waits_beside_the_drain() -> None:
     assert "| 1000 | stock | 30 | 12 | – | – | – | – |" in text
 
 
+def test_markdown_compares_the_scheduling_cycle_with_stock() -> None:
+    result = _result()
+    phases = result["runs"][0]["phases"]
+
+    def cycle(serial: float, prefilter: float) -> dict[str, Any]:
+        point = {"count": 10, "mean": prefilter, "p50": prefilter, "p99": prefilter}
+        return {
+            "attempt": {"count": 10, "mean": 400.0, "p50": 400.0, "p99": 900.0},
+            "algorithm": {"count": 10, "mean": serial, "p50": serial, "p99": serial},
+            "extension_points": {"PreFilter": point},
+            "serial_mean": serial,
+        }
+
+    phases["tessera"]["drain"]["scheduling_cycle"] = cycle(3.0, 1.5)
+    phases["stock"]["drain"]["scheduling_cycle"] = cycle(2.0, 0.1)
+    text = markdown(result, [])
+    assert "| 1000 | tessera | 10 | 3 | 1.50× | 3 | 1.5 | – | – | – | – | 400.0 |" in text
+    assert "| 1000 | stock | 10 | 2 | – | 2 | 0.1 | – | – | – | – | 400.0 |" in text
+
+
 def test_offline_nodes_used_places_the_pods_by_the_core() -> None:
     pods = tuple(
         BenchPod(f"p{i}", PodKind.FRACTIONAL, gpus=1, gpumem_mib=4000, mode="hami-core")

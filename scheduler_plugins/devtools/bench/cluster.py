@@ -37,7 +37,10 @@ from scheduler_plugins.devtools.cluster.stack import (
     STACK,
     StackPaths,
     metrics_address,
+    record_loopback_address,
     restart_component,
+    scheduler_metrics_url,
+    scheduler_serving_args,
     start_stack,
     stop_stack,
 )
@@ -98,7 +101,14 @@ class Scheduler(Protocol):
     def manifest(self, pod: BenchPod, *, namespace: str, labels: Mapping[str, str]) -> Obj: ...
 
     @property
-    def metrics_url(self) -> str | None: ...
+    def metrics_url(self) -> str | None:
+        """The plugin server's /metrics (Tessera only)."""
+        ...
+
+    @property
+    def scheduler_metrics_url(self) -> str | None:
+        """kube-scheduler's own /metrics (HTTPS, self-signed), once started."""
+        ...
 
 
 class TesseraScheduler:
@@ -117,6 +127,7 @@ class TesseraScheduler:
         self._webhook = webhook
         self._node_policy = node_policy
         self._metrics_url: str | None = None
+        self._scheduler_metrics_url: str | None = None
 
     @property
     def kind(self) -> SchedulerKind:
@@ -126,11 +137,16 @@ class TesseraScheduler:
     def metrics_url(self) -> str | None:
         return self._metrics_url
 
+    @property
+    def scheduler_metrics_url(self) -> str | None:
+        return self._scheduler_metrics_url
+
     def start(self, settings: ClusterSettings) -> None:
         start_stack(
             settings, device_config=self._device_config, timeout_s=120.0, webhook=self._webhook
         )
         self._metrics_url = f"http://{metrics_address(settings)}/metrics"
+        self._scheduler_metrics_url = scheduler_metrics_url(settings)
 
     def stop(self, settings: ClusterSettings) -> None:
         stop_stack(settings)
@@ -160,6 +176,9 @@ class TesseraScheduler:
 class StockScheduler:
     """The stock kube-scheduler (default profile) with Tessera's client qps/burst."""
 
+    def __init__(self) -> None:
+        self._scheduler_metrics_url: str | None = None
+
     @property
     def kind(self) -> SchedulerKind:
         return SchedulerKind.STOCK
@@ -167,6 +186,10 @@ class StockScheduler:
     @property
     def metrics_url(self) -> str | None:
         return None
+
+    @property
+    def scheduler_metrics_url(self) -> str | None:
+        return self._scheduler_metrics_url
 
     def start(self, settings: ClusterSettings, *, timeout_s: float = 120.0) -> None:
         binary = settings.binary(STOCK)
@@ -176,9 +199,12 @@ class StockScheduler:
             )
         config = settings.state_dir / "stock-scheduler-config.yaml"
         config.write_text(yaml.safe_dump(stock_config(settings.kubeconfig), sort_keys=False))
+        address = record_loopback_address(settings.state_dir / "stock-scheduler-address")
+        self._scheduler_metrics_url = f"https://{address}/metrics"
+        serving = scheduler_serving_args(address, settings.state_dir / "stock-scheduler-certs")
         record = processes.spawn(
             STOCK,
-            [str(binary), "--config", str(config), "--secure-port", "0", "-v", "2"],
+            [str(binary), "--config", str(config), *serving, "-v", "2"],
             log_path=settings.log_file(STOCK),
             pid_path=settings.pid_file(STOCK),
         )

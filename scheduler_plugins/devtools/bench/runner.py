@@ -154,7 +154,12 @@ def run_phase(
                     "bench-client": os.getpid(),
                 }
 
-            sampler = Sampler(pids, scheduler.metrics_url, api)
+            sampler = Sampler(
+                pids,
+                scheduler.metrics_url,
+                api,
+                scheduler_metrics_url=scheduler.scheduler_metrics_url,
+            )
             sampler.mark("start")
             wait_alloc = kind is SchedulerKind.TESSERA
 
@@ -294,6 +299,7 @@ def _drain(
         committed={n: t - now + mono for n, t in committed.items()},
     )
     out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")
+    out["scheduling_cycle"] = sampler.cycle_json("drain-start", "drain-end")
     out["nodes_used"] = len({b.nodes[p.name] for p in pods if p.gpus and p.name in b.nodes})
     return out
 

@@ -1,9 +1,11 @@
 """Measurements taken at named marks of a phase: CPU time and peak RSS of every process
-(/proc), the plugin server's latency histograms (its /metrics) and the apiserver's request
-counters (``apiserver_request_total``)."""
+(/proc), the plugin server's latency histograms (its /metrics), kube-scheduler's own
+scheduling-cycle histograms (its /metrics) and the apiserver's request counters
+(``apiserver_request_total``)."""
 
 from __future__ import annotations
 
+import ssl
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,12 @@ API_REQUESTS: Final = "apiserver_request_total"
 API_REQUEST_LABELS: Final = ("verb", "resource", "subresource")
 WATCH_EVENTS: Final = "apiserver_watch_events_total"  # events sent, summed over watchers
 WATCH_EVENT_LABELS: Final = ("resource", "kind")  # "kind" before Kubernetes 1.32
+# kube-scheduler's own: a pod's attempt (its scheduling cycle and its binding), the cycle's
+# algorithm (PreFilter to picking the node), and each extension point.
+ATTEMPT: Final = "scheduler_scheduling_attempt_duration_seconds"
+ALGORITHM: Final = "scheduler_scheduling_algorithm_duration_seconds"
+EXTENSION_POINT: Final = "scheduler_framework_extension_point_duration_seconds"
+CYCLE_POINTS: Final = ("PreFilter", "Filter", "PreScore", "Score", "Reserve", "Permit")
 
 Json = dict[str, Any]
 
@@ -33,6 +41,9 @@ class Sampler:
     pids: Callable[[], dict[str, int]]  # looked up at every mark: processes get restarted
     metrics_url: str | None
     api: KubeClient | None = None
+    # kube-scheduler's /metrics; a scrape that fails (the scheduler is paused) is left out
+    scheduler_metrics_url: str | None = None
+    scheduler_scrapes: dict[str, list[promtext.Histogram]] = field(default_factory=dict)
     marks: dict[str, dict[str, procstat.ProcSample]] = field(default_factory=dict)
     scrapes: dict[str, list[promtext.Histogram]] = field(default_factory=dict)
     requests: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
@@ -51,6 +62,16 @@ class Sampler:
             self._scrape(name)
 
     def _scrape(self, name: str) -> None:
+        if self.scheduler_metrics_url is not None:
+            try:
+                text = _http_text(self.scheduler_metrics_url, insecure=True)
+                self.scheduler_scrapes[name] = [
+                    h
+                    for h in promtext.histograms(promtext.parse(text))
+                    if h.name in (ATTEMPT, ALGORITHM, EXTENSION_POINT)
+                ]
+            except (OSError, TesseraError) as e:
+                log.debug("bench.scheduler_metrics_failed", mark=name, error=str(e))
         if self.metrics_url is not None:
             try:
                 self.scrapes[name] = promtext.histograms(
@@ -157,7 +178,55 @@ class Sampler:
             )
         return out
 
+    def cycle_json(self, a: str, b: str) -> Json:
+        """kube-scheduler's scheduling cycles between two marks (all since the scheduler
+        started when it was not serving at ``a``), in ms: attempts that scheduled a pod
+        (binding included), the algorithm, each extension point's successful runs, and the
+        serial cycle's mean (algorithm + Reserve + Permit: what one cycle holds the next
+        pod back; binding runs beside it)."""
+        if b not in self.scheduler_scrapes:
+            return {}
+        before = self.scheduler_scrapes.get(a, [])
 
-def _http_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:  # loopback only
+        def summary(h: promtext.Histogram) -> Json:
+            d = h.minus(promtext.find(before, h.name, h.labels))
+            out: Json = {"count": int(d.count)}
+            for key, v in (("mean", d.mean()), ("p50", d.quantile(0.5)), ("p99", d.quantile(0.99))):
+                out[key] = round(v * 1000.0, 3) if v is not None else None
+            return out
+
+        out: Json = {}
+        points: Json = {}
+        for h in self.scheduler_scrapes[b]:
+            if h.name == ALGORITHM:
+                out["algorithm"] = summary(h)
+            elif h.name == ATTEMPT and h.label("result") == "scheduled":
+                attempt = summary(h)
+                if attempt["count"] > out.get("attempt", {}).get("count", 0):
+                    out["attempt"] = attempt  # the profile that scheduled the pods
+            elif h.name == EXTENSION_POINT and h.label("status") == "Success":
+                point = h.label("extension_point")
+                if point in CYCLE_POINTS:
+                    s = summary(h)
+                    if s["count"] > points.get(point, {}).get("count", 0):
+                        points[point] = s
+        if points:
+            out["extension_points"] = {p: points[p] for p in CYCLE_POINTS if p in points}
+        means = [
+            (out.get("algorithm") or {}).get("mean"),
+            *((points.get(p) or {}).get("mean") for p in ("Reserve", "Permit")),
+        ]
+        if all(m is not None for m in means):
+            out["serial_mean"] = round(sum(m for m in means if m is not None), 3)
+        return out
+
+
+def _http_text(url: str, *, insecure: bool = False) -> str:
+    """``url``'s body; ``insecure``: HTTPS with a self-signed certificate (loopback only)."""
+    context = None
+    if insecure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    with urllib.request.urlopen(url, timeout=10, context=context) as resp:  # loopback only
         return str(resp.read().decode())

@@ -137,7 +137,8 @@ def status(settings: ClusterSettings) -> list[ComponentStatus]:
 
 def env_lines(settings: ClusterSettings) -> list[str]:
     """``export`` lines for a shell: kubeconfig, the built kubectl and ``tessera`` on PATH,
-    the metrics URL and (when running) Jaeger's URL."""
+    the plugin server's and tessera-scheduler's metrics URLs and (when running) Jaeger's
+    URL."""
     if not settings.kubeconfig.is_file():
         raise ClusterError(
             f"cluster {settings.name} has no kubeconfig at {settings.kubeconfig}: run `tessera up`"
@@ -150,6 +151,9 @@ def env_lines(settings: ClusterSettings) -> list[str]:
     with contextlib.suppress(ClusterError):  # the stack never started: nothing to point at
         metrics = stack.metrics_address(settings)
         lines.append(f"export TESSERA_METRICS_URL=http://{metrics}/metrics")
+        lines.append(
+            f"export TESSERA_SCHEDULER_METRICS_URL={stack.scheduler_metrics_url(settings)}"
+        )
     ports = jaeger.recorded_ports(settings)
     if ports is not None and jaeger.running(settings):
         lines.append(f"export TESSERA_JAEGER_URL={ports.ui_url}")

@@ -50,6 +50,8 @@ class StackPaths:
     scheduler_config: Path
     agent_state: Path
     metrics_address: Path  # holds HOST:PORT of the plugin server's /metrics
+    scheduler_address: Path  # holds HOST:PORT where tessera-scheduler serves (its /metrics)
+    scheduler_certs: Path  # tessera-scheduler's self-signed serving certificate
 
     @staticmethod
     def of(s: ClusterSettings) -> StackPaths:
@@ -58,12 +60,22 @@ class StackPaths:
             scheduler_config=s.state_dir / "scheduler-config.yaml",
             agent_state=s.state_dir / "node-agent",
             metrics_address=s.state_dir / "plugin-server-metrics-address",
+            scheduler_address=s.state_dir / "scheduler-address",
+            scheduler_certs=s.state_dir / "scheduler-certs",
         )
 
 
 def metrics_address(s: ClusterSettings) -> str:
     """``HOST:PORT`` where the cluster's plugin server serves ``/metrics``."""
-    path = StackPaths.of(s).metrics_address
+    return _recorded(s, StackPaths.of(s).metrics_address)
+
+
+def scheduler_metrics_url(s: ClusterSettings) -> str:
+    """Where the cluster's tessera-scheduler serves kube-scheduler's own ``/metrics``."""
+    return f"https://{_recorded(s, StackPaths.of(s).scheduler_address)}/metrics"
+
+
+def _recorded(s: ClusterSettings, path: Path) -> str:
     try:
         return path.read_text().strip()
     except FileNotFoundError:
@@ -72,7 +84,7 @@ def metrics_address(s: ClusterSettings) -> str:
         ) from None
 
 
-def _record_metrics_address(path: Path) -> str:
+def record_loopback_address(path: Path) -> str:
     """A free loopback port, recorded at ``path`` (several dev clusters run side by side, so
     not HAMi's 9395; a restarted plugin server keeps it, and so does a restarted stack while
     the port is still free: the URL `tessera up` printed stays true)."""
@@ -86,6 +98,22 @@ def _record_metrics_address(path: Path) -> str:
         address = f"{LOOPBACK}:{sock.getsockname()[1]}"
     path.write_text(address + "\n")
     return address
+
+
+def scheduler_serving_args(address: str, cert_dir: Path) -> list[str]:
+    """kube-scheduler's HTTPS serving on ``address`` (loopback), with a self-signed
+    certificate in ``cert_dir`` and ``/metrics`` (scheduling latencies per extension point,
+    no pod data) readable without credentials, like its health checks."""
+    host, _, port = address.rpartition(":")
+    return [
+        "--bind-address",
+        host,
+        "--secure-port",
+        port,
+        "--cert-dir",
+        str(cert_dir),
+        "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+    ]
 
 
 def start_stack(
@@ -108,7 +136,8 @@ def start_stack(
         raise ClusterError(f"{scheduler_bin} is missing: run `make tools` first")
     paths.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths.agent_state.mkdir(parents=True, exist_ok=True)
-    _record_metrics_address(paths.metrics_address)
+    record_loopback_address(paths.metrics_address)
+    record_loopback_address(paths.scheduler_address)
     _write_scheduler_config(paths.scheduler_config, s.kubeconfig, paths.socket, tessera_args)
     try:
         for component in STACK:
@@ -209,8 +238,7 @@ def _argv(
             str(s.binary(SCHEDULER)),
             "--config",
             str(paths.scheduler_config),
-            "--secure-port",
-            "0",
+            *scheduler_serving_args(_recorded(s, paths.scheduler_address), paths.scheduler_certs),
             f"--feature-gates={GANG_FEATURE_GATES}",
             "-v",
             "2",
