@@ -140,6 +140,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             spans=self._tracing,
             on_reserved=self._metrics.reserved,
         )
+        # A Cycle request's call (its oneof field): the method it stands for, and its handler.
+        self._cycle_calls: dict[str, tuple[str, Callable[[Any, grpc.ServicerContext], Any]]] = {
+            "pre_filter": ("PreFilter", self._prefilter),
+            "reserve": ("Reserve", self._reserve),
+        }
 
     @property
     def reservations_held(self) -> int:
@@ -164,41 +169,28 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, request: pb.CycleRequest, context: grpc.ServicerContext
     ) -> pb.CycleResponse:
         call = request.WhichOneof("call")
+        if call is None:
+            return pb.CycleResponse(
+                id=request.id,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                message=f"Cycle request {request.id} carries no call (pre_filter or reserve)",
+            )
+        method, handler = self._cycle_calls[call]
         trace = request.trace_context.items() if self._tracing.enabled else None
         try:
-            if call == "pre_filter":
-                return pb.CycleResponse(
-                    id=request.id,
-                    pre_filter=_run(
-                        self._prefilter,
-                        request.pre_filter,
-                        context,
-                        "PreFilter",
-                        trace,
-                        self._tracing,
-                        self._metrics,
-                    ),
-                )
-            if call == "reserve":
-                return pb.CycleResponse(
-                    id=request.id,
-                    reserve=_run(
-                        self._reserve,
-                        request.reserve,
-                        context,
-                        "Reserve",
-                        trace,
-                        self._tracing,
-                        self._metrics,
-                    ),
-                )
+            answer = _run(
+                handler,
+                getattr(request, call),
+                context,
+                method,
+                trace,
+                self._tracing,
+                self._metrics,
+            )
         except _Abort as e:
             return pb.CycleResponse(id=request.id, code=e.code.value[0], message=e.message)
-        return pb.CycleResponse(
-            id=request.id,
-            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-            message=f"Cycle request {request.id} carries no call (pre_filter or reserve)",
-        )
+        answers: dict[str, Any] = {call: answer}
+        return pb.CycleResponse(id=request.id, **answers)
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext

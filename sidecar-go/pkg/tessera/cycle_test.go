@@ -64,3 +64,26 @@ func TestCycleStreamBreakFailsUnansweredCallsAndReopens(t *testing.T) {
 		t.Fatalf("PreFilter after the restart = %v (%d calls)", st, second.count("PreFilter"))
 	}
 }
+
+func TestCycleAnswerWithoutTheCallsAnswerIsAServerFailure(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.emptyCycleAnswers = true })
+	pod := makePod("p").gpu("1").obj()
+	_, st := p.PreFilter(context.Background(), newState(), pod, nil)
+	if st.Code() != fwk.Error || !strings.Contains(st.Message(), "tessera plugin server failed PreFilter: PreFilter answered OK without an answer") {
+		t.Errorf("PreFilter = %v", st)
+	}
+	// Reserve's empty answer fails the binding cycle the same way.
+	fake.set(func(s *fakeServer) { s.emptyCycleAnswers, s.preFilter = false, okResponse() })
+	state := newState()
+	if _, st := p.PreFilter(context.Background(), state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	fake.set(func(s *fakeServer) { s.emptyCycleAnswers = true })
+	if st := p.Reserve(context.Background(), state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	if st := p.PreBind(context.Background(), state, pod, "n1"); st.Code() != fwk.Error || !strings.Contains(st.Message(), "Reserve answered OK without an answer") {
+		t.Errorf("PreBind = %v", st)
+	}
+}

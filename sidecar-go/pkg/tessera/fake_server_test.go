@@ -42,6 +42,9 @@ type fakeServer struct {
 	bindWaits int // PreBind answers ResourceExhausted ("ask again") this many times first
 	// noAnnotations: PreBind answers no annotations (a broken server).
 	noAnnotations bool
+	// emptyCycleAnswers: the Cycle stream answers OK without the call's answer (a broken
+	// server), after an answer to an id never sent.
+	emptyCycleAnswers bool
 	// reserveGate: Reserve answers only once it is closed (nil: at once).
 	reserveGate chan struct{}
 	// reserveHandsOver: a Reserve asking for hand-over gets the annotations (nothing to wait
@@ -115,6 +118,18 @@ func (s *fakeServer) Cycle(stream pluginv1.Scheduler_CycleServer) error {
 		}
 		if err != nil {
 			return err
+		}
+		s.mu.Lock()
+		empty := s.emptyCycleAnswers
+		s.mu.Unlock()
+		if empty {
+			if err := stream.Send(&pluginv1.CycleResponse{Id: req.GetId() + 1000}); err != nil {
+				return err
+			}
+			if err := stream.Send(&pluginv1.CycleResponse{Id: req.GetId()}); err != nil {
+				return err
+			}
+			continue
 		}
 		ctx := stream.Context()
 		if len(req.GetTraceContext()) > 0 {
