@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import socket
 import tempfile
@@ -303,6 +304,94 @@ def test_random_bytes_as_messages_are_refused_or_answered(
             case.rejected(details)
         unreserve_all(server, [request.pod])  # type: ignore[attr-defined]
         assert server.cache.state.usage_snapshot() == before
+
+
+_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+_CYCLE_FIELDS = {"PreFilter": "pre_filter", "Reserve": "reserve"}
+
+
+class CycleStream:
+    """One Cycle stream into the servicer, driven call by call in this thread."""
+
+    def __init__(self, servicer: SchedulerServicer) -> None:
+        self._out: queue.SimpleQueue[pb.CycleRequest | None] = queue.SimpleQueue()
+        self._answers = servicer.Cycle(iter(self._out.get, None), FakeContext())  # type: ignore[arg-type]
+        self._next = 0
+
+    def call(self, request: pb.CycleRequest) -> pb.CycleResponse:
+        self._next += 1
+        request.id = self._next
+        self._out.put(request)
+        answer = next(self._answers)
+        assert answer.id == self._next, (answer.id, self._next)
+        return answer
+
+    def close(self) -> None:
+        self._out.put(None)
+        assert next(self._answers, None) is None  # the stream ends when the shim's does
+
+
+def _check_cycle_answer(case: Any, request: pb.CycleRequest, answer: pb.CycleResponse) -> None:
+    """OK with the call's answer, or a clear status code and a message saying why."""
+    if answer.code == 0:
+        call = request.WhichOneof("call")
+        assert call is not None and answer.WhichOneof("answer") == call, (request, answer)
+        return
+    code = _BY_VALUE.get(answer.code)
+    assert code in CLEAR_CODES, (answer.code, answer.message)
+    assert answer.message.strip(), answer
+    assert answer.WhichOneof("answer") is None
+    case.rejected(f"{code.name}: {answer.message}")
+
+
+@fuzz_settings(100)
+@given(sequence=call_sequences)
+def test_hostile_sequences_over_the_cycle_stream_answer_every_call(
+    fuzz_ledger: FuzzLedger, sequence: list[tuple[str, Message]]
+) -> None:
+    """The shim's stream carries PreFilter and Reserve; the rest stay single calls. A bad
+    request is its answer's code, never the stream's end."""
+    server = make_server()
+    before = server.cache.state.usage_snapshot()
+    victims_before = {k: server.cache.state.allocation(k) for k in VICTIM_KEYS}
+    stream = CycleStream(server.servicer)
+    for method, request in sequence:
+        field = _CYCLE_FIELDS.get(method)
+        label = f"plugin-protocol/{'Cycle/' if field else ''}{method}"
+        with fuzz_ledger.case(label) as case:
+            if field is None:
+                outcome, details = call(server, method, request)
+                if outcome == "aborted":
+                    case.rejected(details)
+            else:
+                cycle_request = pb.CycleRequest(**{field: request})
+                _check_cycle_answer(case, cycle_request, stream.call(cycle_request))
+            assert {k: server.cache.state.allocation(k) for k in VICTIM_KEYS} == victims_before
+    stream.close()
+    unreserve_all(server, [r.pod for _, r in sequence])  # type: ignore[attr-defined]
+    assert server.cache.state.usage_snapshot() == before
+
+
+@fuzz_settings(100)
+@given(raw=st.binary(max_size=300) | st.binary(max_size=300).map(lambda b: b"\x12\x02\x08\x01" + b))
+def test_random_bytes_as_cycle_requests_are_refused_or_answered(
+    fuzz_ledger: FuzzLedger, raw: bytes
+) -> None:
+    server = make_server()
+    before = server.cache.state.usage_snapshot()
+    stream = CycleStream(server.servicer)
+    with fuzz_ledger.case("plugin-protocol/Cycle/raw-message") as case:
+        try:
+            request = pb.CycleRequest.FromString(raw)
+        except DecodeError as e:
+            case.rejected(f"not a CycleRequest: {e}")
+            return
+        _check_cycle_answer(case, request, stream.call(request))
+        call_ = request.WhichOneof("call")
+        if call_ is not None:
+            unreserve_all(server, [getattr(request, call_).pod])
+    stream.close()
+    assert server.cache.state.usage_snapshot() == before
 
 
 def test_valid_sequence_still_schedules_after_garbage() -> None:
