@@ -230,8 +230,8 @@ def test_markdown_compares_the_scheduling_cycle_with_stock() -> None:
     phases["tessera"]["drain"]["scheduling_cycle"] = cycle(3.0, 1.5)
     phases["stock"]["drain"]["scheduling_cycle"] = cycle(2.0, 0.1)
     text = markdown(result, [])
-    assert "| 1000 | tessera | 10 | 3 | 1.50× | 3 | 1.5 | – | – | – | – | 400.0 |" in text
-    assert "| 1000 | stock | 10 | 2 | – | 2 | 0.1 | – | – | – | – | 400.0 |" in text
+    assert "| 1000 | tessera | drain | 10 | 3 | 1.50× | 3 | 1.5 | – | – | – | – | 400.0 |" in text
+    assert "| 1000 | stock | drain | 10 | 2 | – | 2 | 0.1 | – | – | – | – | 400.0 |" in text
 
 
 def test_offline_nodes_used_places_the_pods_by_the_core() -> None:

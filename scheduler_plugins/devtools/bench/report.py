@@ -7,6 +7,7 @@ Works on the JSON dict the runner builds, so a saved JSON can be rendered again
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -384,13 +385,13 @@ def _cycle_table(result: Json) -> list[str]:
     """Per drain: kube-scheduler's own histograms of its serial scheduling cycle, with
     Tessera's over stock's in the same run."""
     rows = []
-    for run, name, ph in _phases(result):
-        cycle = (ph.get("drain") or {}).get("scheduling_cycle") or {}
+    for (run, name, ph), workload in itertools.product(_phases(result), ("drain", "main")):
+        cycle = (ph.get(workload) or {}).get("scheduling_cycle") or {}
         if not cycle.get("attempt"):
             continue
         points = cycle.get("extension_points") or {}
-        stock_drain = ((run.get("phases") or {}).get(STOCK) or {}).get("drain") or {}
-        stock = stock_drain.get("scheduling_cycle") or {}
+        stock_phase = ((run.get("phases") or {}).get(STOCK) or {}).get(workload) or {}
+        stock = stock_phase.get("scheduling_cycle") or {}
         ratio = "–"
         if name == TESSERA and cycle.get("serial_mean") and stock.get("serial_mean"):
             ratio = f"{cycle['serial_mean'] / stock['serial_mean']:.2f}×"
@@ -398,6 +399,7 @@ def _cycle_table(result: Json) -> list[str]:
             [
                 run["nodes"],
                 name,
+                workload,
                 cycle["attempt"].get("count"),
                 cycle.get("serial_mean", "–"),
                 ratio,
@@ -410,7 +412,8 @@ def _cycle_table(result: Json) -> list[str]:
         return []
     return [
         "",
-        "*Scheduling cycle*: kube-scheduler's own histograms over the drain (both schedulers",
+        "*Scheduling cycle*: kube-scheduler's own histograms over the queue drain and over the",
+        "streamed workload (*main*, whose cores are not all busy at a low rate; both schedulers",
         "serve their /metrics), in ms. *serial mean*: the part of a cycle that holds the next",
         "pod back, the mean of `scheduler_scheduling_algorithm_duration_seconds` (PreFilter to",
         "picking the node) plus Reserve's and Permit's (binding runs beside it); *vs stock*:",
@@ -422,6 +425,7 @@ def _cycle_table(result: Json) -> list[str]:
             [
                 "nodes",
                 "scheduler",
+                "workload",
                 "cycles",
                 "serial mean ms",
                 "vs stock",

@@ -205,6 +205,7 @@ def run_phase(
             out["main"] = batch_json(main, failed=watch.failed)
             out["main"]["pending_reasons"] = pending_reasons(api, "main")
             out["plugin_rpc"] = sampler.histograms_json("main-start", "main-end")
+            out["main"]["scheduling_cycle"] = sampler.cycle_json("main-start", "main-end")
             out["api_requests"] = sampler.requests_json("main-start", "main-end", len(main.bound))
 
             marked: list[str] = []
