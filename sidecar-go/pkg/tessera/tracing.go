@@ -2,8 +2,10 @@ package tessera
 
 // One trace per scheduling attempt of a GPU pod. PreFilter starts the attempt's root span and
 // keeps it in CycleState; every RPC runs in a client span under that root, and the client
-// interceptor puts the client span's context into the call's gRPC metadata, so the plugin
-// server's spans join the same trace as children of the call that caused them.
+// interceptor puts the client span's context into the call's gRPC metadata (a Cycle stream
+// request carries it in its trace_context), so the plugin server's spans join the same
+// trace as children of the call that caused them. Reserve's span ends when the binding
+// cycle reads its answer.
 //
 // The root ends where Tessera's part of the attempt ends: at Bind (when PreBind handed the
 // annotations over), at PreBind (otherwise), at Unreserve, or at PreFilter when the answer is
