@@ -60,6 +60,7 @@ from api.hami.register import GpuDevice
 from scheduler_plugins.core import fragmentation as frag
 from scheduler_plugins.core import hostfit, rules
 from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.hostonly import place_host_only
 from scheduler_plugins.core.requests import ContainerRequest, PodAllocation, PodRequest
 from scheduler_plugins.core.rules import HostAmounts
 from scheduler_plugins.core.state import ClusterState
@@ -307,18 +308,28 @@ class Engine:
             cpu_milli=pod.cpu,
             memory_bytes=pod.memory,
         )
+        if not pod.gpus:  # the rule the live scheduler applies to such a pod
+            node = place_host_only(self.state, req).best()
+            if node is None:
+                raise AssertionError(f"the engine finds no node for {pod} where {cand.size} fit")
+            self.state.assume(PodAllocation(req.key, node, (), (), pod.cpu, pod.memory))
+            return self._checked(node, pod, cand), []
         decision = decide(self.state, req)
         node = decision.best_node()
         if node is None:
             raise AssertionError(f"the engine finds no node for {pod} where {cand.size} fit")
-        i = self.index[node]
-        if i not in set(cand.tolist()):
-            raise AssertionError(f"the engine chose {node}, which cannot hold {pod}")
+        i = self._checked(node, pod, cand)
         plan = decision.plan_for(node)
         assert plan is not None
         cols = [int(d.uuid.rpartition("/")[2]) for c in plan.containers for d in c]
         self.state.assume(plan.allocation(pod.cpu, pod.memory, uid=req.uid))
         return i, cols
+
+    def _checked(self, node: str, pod: Pod, cand: I64) -> int:
+        i = self.index[node]
+        if i not in set(cand.tolist()):
+            raise AssertionError(f"the engine chose {node}, which cannot hold {pod}")
+        return i
 
     def _assume(self, node: str, pod: Pod) -> None:
         self.n += 1

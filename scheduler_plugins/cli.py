@@ -15,7 +15,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from scheduler_plugins.simulate import render_table, simulate
 
     config = load_config_file(args.config) if args.config else DeviceConfig()
-    simulation = simulate(Path(args.cluster), Path(args.pods), config)  # validates everything
+    simulation = simulate(  # validates everything
+        Path(args.cluster), Path(args.pods), config, host_only_pods=args.host_only_pods
+    )
     for s in simulation.skipped:
         print(f"tessera: warning: {s}", file=sys.stderr)
     results = list(simulation)
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--pods", required=True, help="Pods to place, in order (YAML)")
     sim.add_argument("--config", help="device-config.yaml (default: built-in defaults)")
     sim.add_argument("--output", choices=("json", "table"), default="table")
+    sim.add_argument(
+        "--host-only-pods",
+        action="store_true",
+        help="pods without a GPU request that name no scheduler are Tessera's too (the "
+        "webhook's option); under the fragmentation policy Tessera places them",
+    )
     sim.set_defaults(func=_cmd_simulate)
 
     cfg = sub.add_parser("config", help="device-config.yaml tools")

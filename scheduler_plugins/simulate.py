@@ -8,11 +8,12 @@ What kube-scheduler decides beside Tessera is modelled for CPU and memory: every
 a node's ``status.allocatable`` less what the pods there request (existing and placed before
 it; NodeResourcesFit, ``rules.host_reasons``; a node that shows no allocatable CPU or memory is
 not checked for it). A GPU pod goes to Tessera's choice among the nodes where both its devices
-and its CPU and memory fit. A pod without a GPU request, which Tessera leaves to
-kube-scheduler, goes where kube-scheduler's default scores put it (``core.hostfit``: least
-allocated plus balanced allocation; exact ties to the first name, where kube-scheduler picks
-at random). kube-scheduler's other plugins (taints, affinity, topology spread, ...) are not
-modelled.
+and its CPU and memory fit. A pod without a GPU request goes where kube-scheduler's default
+scores put it (``core.hostfit``: least allocated plus balanced allocation; exact ties to the
+first name, where kube-scheduler picks at random), unless Tessera's scheduler gets it (it names
+``hami-scheduler``, or names none with ``--host-only-pods``, the webhook's option) under the
+fragmentation policy: then Tessera places it (``core.hostonly``: a node without GPUs first).
+kube-scheduler's other plugins (taints, affinity, topology spread, ...) are not modelled.
 
 A pod that fits nowhere but outranks pods there (``spec.priority``; a ``priorityClassName`` is
 not resolved here) gets the pods kube-scheduler's preemption would preempt for it, and the
@@ -44,6 +45,7 @@ from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.decide import decide
 from scheduler_plugins.core.explain import explain, explain_host
 from scheduler_plugins.core.hostfit import place
+from scheduler_plugins.core.hostonly import place_host_only, wants_placing
 from scheduler_plugins.core.nodes import parse_node
 from scheduler_plugins.core.requests import (
     PodAllocation,
@@ -54,6 +56,7 @@ from scheduler_plugins.core.requests import (
 )
 from scheduler_plugins.core.state import ClusterState
 from scheduler_plugins.core.whatif import Candidate, pick_node, preemptible_nodes, select_victims
+from scheduler_plugins.webhook.rules import DEFAULT_SCHEDULER, TESSERA_SCHEDULER
 
 
 class SimulationInputError(InvalidInputError):
@@ -229,11 +232,21 @@ class Simulation:
     """Both inputs validated at construction (``skipped``: what was left out, and why);
     iterating places the pods one after another, each placement counting for the next."""
 
-    def __init__(self, cluster_path: Path, pods_path: Path, config: DeviceConfig) -> None:
+    def __init__(
+        self,
+        cluster_path: Path,
+        pods_path: Path,
+        config: DeviceConfig,
+        *,
+        host_only_pods: bool = False,
+    ) -> None:
         cluster = load_objects(cluster_path)
         self._state, self.skipped = build_cluster(cluster, config, cluster_path)
         self._started = {pod_key(o): start_time(o) for o in cluster if o["kind"] == "Pod"}
         self._requests: list[PodRequest] = []
+        # Pods without a GPU request that Tessera's scheduler gets: those naming it, and with
+        # ``host_only_pods`` (the webhook's option) those naming no other scheduler.
+        self._tesseras: set[str] = set()
         seen: set[str] = set()
         for obj in load_objects(pods_path):
             if obj["kind"] != "Pod":
@@ -248,12 +261,20 @@ class Simulation:
                 self._requests.append(parse_request(obj, config))
             except InvalidInputError as e:
                 raise SimulationInputError(f"{pods_path}: Pod {key}: {_bare(e)}") from e
+            scheduler = as_object(obj.get("spec")).get("schedulerName") or DEFAULT_SCHEDULER
+            if scheduler == TESSERA_SCHEDULER or (
+                host_only_pods and scheduler == DEFAULT_SCHEDULER
+            ):
+                self._tesseras.add(key)
 
     def __iter__(self) -> Iterator[Result]:
         state = self._state
         for req in self._requests:
             if not req.wants_gpu:
-                yield self._place_host(req)
+                if req.key in self._tesseras and wants_placing(req):
+                    yield self._place_host_only(req)
+                else:
+                    yield self._place_host(req)
                 continue
             decision = decide(state, req)
             node = decision.best_node()
@@ -317,6 +338,46 @@ class Simulation:
             )
         return Result(req.key, "Scheduled", node, {}, reason)
 
+    def _place_host_only(self, req: PodRequest) -> Result:
+        """A pod without a GPU request that Tessera places (``hostonly``: the fragmentation
+        policy); its CPU and memory then count on that node."""
+        state = self._state
+        placement = place_host_only(state, req)
+        node = placement.best()
+        if node is None:  # kube-scheduler's verdict: the server leaves such a pod to it
+            everywhere = place(state, req.cpu_milli, req.memory_bytes)
+            return self._unschedulable(req, explain_host(everywhere, state), everywhere.names)
+        if placement.gpu_less:
+            reason = (
+                "no GPU request (fragmentation policy): a node without GPUs, where it strands "
+                f"no GPU capacity ({placement.gpu_less} such nodes fit, in kube-scheduler's "
+                "order)"
+            )
+        else:
+            d = placement.decision
+            i = d.node_index(node)
+            delta = float(d.delta[i]) if d.delta is not None else 0.0
+            reason = (
+                "no GPU request (fragmentation policy): no node without GPUs has room; the GPU "
+                f"capacity the workload could not use here changes by {delta:+.2f} GPU "
+                f"({placement.scores[0]}/100 to kube-scheduler), "
+                f"{len(placement.names)} GPU nodes fit"
+            )
+        if req.cpu_milli > 0 or req.memory_bytes > 0:
+            state.assume(
+                PodAllocation(
+                    req.key,
+                    node,
+                    (),
+                    (),
+                    req.cpu_milli,
+                    req.memory_bytes,
+                    uid=req.uid,
+                    priority=req.priority,
+                )
+            )
+        return Result(req.key, "Scheduled", node, {}, reason)
+
     def _unschedulable(self, req: PodRequest, why: str, nodes: Iterable[str]) -> Result:
         """``req`` fits no node (``why``), with whom preemption would preempt for it on
         ``nodes`` (those it may try)."""
@@ -345,9 +406,13 @@ class Simulation:
         return Preempt(chosen.node, tuple(v.key for v in chosen.pods))
 
 
-def simulate(cluster_path: Path, pods_path: Path, config: DeviceConfig) -> Simulation:
-    """``Simulation``: validate both inputs fully; iterate it for one Result per pod."""
-    return Simulation(cluster_path, pods_path, config)
+def simulate(
+    cluster_path: Path, pods_path: Path, config: DeviceConfig, *, host_only_pods: bool = False
+) -> Simulation:
+    """``Simulation``: validate both inputs fully; iterate it for one Result per pod.
+    ``host_only_pods``: the webhook routes pods without a GPU request to Tessera's scheduler
+    (they place by ``hostonly`` under the fragmentation policy)."""
+    return Simulation(cluster_path, pods_path, config, host_only_pods=host_only_pods)
 
 
 def render_table(results: list[Result], skipped: Sequence[Skipped] = ()) -> str:

@@ -26,6 +26,7 @@ Pure: numpy arrays in, numpy arrays out, over every node at once (the benchmarks
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,14 +121,22 @@ class HostPlacement:
         return min(top.tolist(), key=self.names.__getitem__)
 
 
-def place(state: ClusterState, cpu_milli: int, memory_bytes: int) -> HostPlacement:
-    """``HostPlacement`` of a pod requesting ``cpu_milli`` and ``memory_bytes`` on every node
-    of ``state`` (GPU nodes and GPU-less ones), counting what the pods there request."""
-    idx = np.array([e.idx for e in state.nodes.values()], np.int64)
+def place(
+    state: ClusterState,
+    cpu_milli: int,
+    memory_bytes: int,
+    names: Sequence[str] | None = None,
+) -> HostPlacement:
+    """``HostPlacement`` of a pod requesting ``cpu_milli`` and ``memory_bytes`` on the nodes
+    ``names`` of ``state`` (None: every node, GPU nodes and GPU-less ones), counting what the
+    pods there request."""
+    if names is None:
+        names = tuple(state.nodes)
+    idx = np.array([state.nodes[n].idx for n in names], np.int64)
     allocatable = HostAmounts(state.node_cpu_alloc[idx], state.node_mem_alloc[idx])
     requested = HostAmounts(state.node_cpu_req[idx], state.node_mem_req[idx])
     return HostPlacement(
-        names=tuple(state.nodes),
+        names=tuple(names),
         reasons=host_reasons(allocatable, requested, cpu_milli, memory_bytes),
         least=least_allocated(allocatable, requested, cpu_milli, memory_bytes),
         balanced=balanced_allocation(allocatable, requested, cpu_milli, memory_bytes),

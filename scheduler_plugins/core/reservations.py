@@ -44,6 +44,7 @@ from scheduler_plugins.core.binding import bind_annotations, bind_labels
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
 from scheduler_plugins.core.explain import explain, node_reasons, rejection_reasons
+from scheduler_plugins.core.hostonly import place_host_only
 from scheduler_plugins.core.requests import PodAllocation, PodRequest
 from scheduler_plugins.core.rules import reason_names
 from scheduler_plugins.core.whatif import WhatIf, host_preemptible, preemptible_nodes, what_if
@@ -254,6 +255,8 @@ class Reservations:
         ``meta``/``spec``: the pod's, for bind annotations left over from an earlier attempt.
         ``nominated``: the node kube-scheduler's preemption made room on for the pod."""
         ident = req.uid or req.key
+        if not req.wants_gpu:
+            return self._offer_host_only(ident, req, limit)
         self._clear_leftover(req.key, ident, meta, spec)
         pod = {"metadata": meta, "spec": spec}
         with self._spans.span("decide"), self._cache.lock:
@@ -306,6 +309,30 @@ class Reservations:
             wall_s=wall_s,
             cpu_s=cpu_s,
             preemptible=preemptible,
+        )
+
+    def _offer_host_only(self, ident: str, req: PodRequest, limit: int) -> Offer:
+        """``offer`` for a pod without a GPU request (``hostonly``, fragmentation policy). No
+        node fitting is no verdict of Tessera's: kube-scheduler's NodeResourcesFit says
+        why, and its preemption may make room (the server then leaves the pod to it)."""
+        with self._spans.span("decide"), self._cache.lock:
+            started, cpu_started = self._clock(), self._cpu_clock()
+            placement = place_host_only(self._cache.state, req)
+            names, scores = placement.offered(limit)
+            wall_s, cpu_s = self._clock() - started, self._cpu_clock() - cpu_started
+            decision_id = next(self._ids)
+            _put(self._requests, ident, (decision_id, req))
+        total = len(placement.names)
+        return Offer(
+            decision_id=decision_id,
+            nodes=names,
+            scores=scores,
+            feasible_total=total if len(names) < total else 0,
+            why="",
+            per_node="",
+            pending=0,
+            wall_s=wall_s,
+            cpu_s=cpu_s,
         )
 
     def explain(self, ident: str, key: str, decision_id: int) -> str:
@@ -371,6 +398,10 @@ class Reservations:
         self._refuse_while_written(key)
         self._settle_unsure(key)
         with self._spans.span("reserve"), self._cache.lock:
+            held = self._requests.get(ident)
+            if held is not None and not held[1].wants_gpu:
+                self._reserve_host_only(ident, key, node, held[1])
+                return None
             decision = self._decision_for(ident, key, decision_id)
             self._refuse_bound(key)
             plan = decision.plan_for(node)
@@ -389,6 +420,22 @@ class Reservations:
             handed = self._hand_over_now(key, res) if hand_over else None
         log.info("reserved", pod=key, node=node, handed_over=handed is not None, trial=trial)
         return handed
+
+    def _reserve_host_only(self, ident: str, key: str, node: str, req: PodRequest) -> None:
+        """``reserve`` of a pod without a GPU request (caller holds the cache lock): its CPU
+        and memory count on ``node`` until the watch shows it bound there (or Unreserve).
+        Nothing to hand over or write: kube-scheduler's DefaultBinder binds it."""
+        _check_same_pod(req.key, key, ident)
+        self._refuse_bound(key)
+        if node not in self._cache.state.nodes:
+            raise ScheduleAgain(f"node {node} of pod {key} is not known here (yet)")
+        alloc = PodAllocation(
+            key, node, (), (), req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
+        )
+        self._cache.assume(alloc, frozenset(), None)
+        self._on_reserved(key)
+        self._reserved_as[key] = ident  # dropped with the request once the pod is bound
+        log.info("reserved", pod=key, node=node, handed_over=False, gpu=False)
 
     def unreserve(self, ident: str, key: str, node: str) -> None:
         """Forget the pod's reservation (idempotent; nothing reserved is fine too)."""

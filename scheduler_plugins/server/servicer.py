@@ -25,6 +25,7 @@ from api.kube.objects import nominated_node, pod_key
 from api.plugin.v1 import plugin_pb2 as pb
 from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.core.hostonly import wants_placing
 from scheduler_plugins.core.requests import PodRequest, parse_request
 from scheduler_plugins.core.reservations import (
     DEFAULT_PREBIND_WAIT_S,
@@ -235,7 +236,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             pod, req = self._read_pod(request.pod_json, request.pod)
         except _InvalidPod as e:
             return pb.PreFilterResponse(code=pb.PreFilterResponse.INVALID, message=str(e))
-        if not req.wants_gpu:
+        if not wants_placing(req):
             return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
         meta = pod["metadata"]
         offer = _call(
@@ -247,6 +248,16 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             nominated_node(pod),
         )
         self._metrics.observe_decision(offer.wall_s, offer.pending, cpu_seconds=offer.cpu_s)
+        if not req.wants_gpu:
+            if not offer.nodes:  # kube-scheduler's NodeResourcesFit says why; it may preempt
+                return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
+            return pb.PreFilterResponse(
+                code=pb.PreFilterResponse.OK,
+                feasible_nodes=offer.nodes,
+                scores=offer.scores,
+                decision_id=offer.decision_id,
+                feasible_total=offer.feasible_total,
+            )
         if self._gangs is not None:
             self._gangs.offered(pod, req.key, None if offer.nodes else offer.why)
         if not offer.nodes:

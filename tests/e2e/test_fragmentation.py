@@ -15,12 +15,14 @@ from typing import Any, Final
 import pytest
 
 from api.hami import keys as ann
+from scheduler_plugins.devtools.cluster.nodes import cpu_node_object, create_node, wait_ready
 from tests.e2e.harness import (
     GPU,
     GPUCORES,
     GPUMEM,
     HERE,
     E2ECluster,
+    annots,
     node_of,
     pod_manifest,
     tessera_cluster,
@@ -66,3 +68,31 @@ def test_half_pods_share_a_gpu_and_a_cpu_starved_node_is_avoided(cluster: E2EClu
     messages = c.wait_event("whole-2")
     assert any("insufficient cpu" in m for m in messages), messages
     assert not node_of(c.pod("whole-2"))
+
+
+def _cpu_pod(name: str, cpu: str) -> dict[str, Any]:
+    """A pod asking for no GPU, for hami-scheduler, under the fragmentation policy."""
+    return pod_manifest(name, annotations={ann.NODE_POLICY: "fragmentation"}, requests={"cpu": cpu})
+
+
+def test_a_pod_without_a_gpu_takes_a_node_without_gpus_first(cluster: E2ECluster) -> None:
+    """Tessera places a pod that asks for no GPU under the fragmentation policy: on a node
+    without GPUs it strands no GPU capacity, so that node comes first, although
+    kube-scheduler's own scores (least allocated) prefer a GPU node with freer CPUs; once it
+    has no room, a GPU node. Nothing of a GPU pod's is written on either: DefaultBinder
+    binds them."""
+    c = cluster
+    create_node(c.api, cpu_node_object("frag-cpu-0", cpu="8", memory="32Gi"))
+    wait_ready(c.api, ["frag-cpu-0"], timeout_s=60)
+    c.create(pod_manifest("cpu-pin", requests={"cpu": "2"}, nodes=["frag-cpu-0"]))
+    assert node_of(c.wait_bound("cpu-pin")) == "frag-cpu-0"
+
+    c.create(_cpu_pod("cpu-a", "1"))
+    placed = c.wait_bound("cpu-a")
+    assert node_of(placed) == "frag-cpu-0"
+    assert not {ann.VGPU_NODE, ann.BIND_PHASE, ann.DEVICES_TO_ALLOCATE} & set(annots(placed))
+
+    c.create(_cpu_pod("cpu-b", "6"))  # 5 CPUs left on frag-cpu-0
+    placed = c.wait_bound("cpu-b")
+    assert node_of(placed) in c.nodes_in_mode("hami-core")
+    assert ann.VGPU_NODE not in annots(placed)

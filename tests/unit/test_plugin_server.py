@@ -386,6 +386,38 @@ def test_pod_without_gpu_request_is_skipped(h: Harness) -> None:
     assert h.prefilter(pod).code == pb.PreFilterResponse.SKIP
 
 
+def cpu_only(name: str, cpu: str) -> dict[str, Any]:
+    """A pod asking for no GPU, under the fragmentation policy (``core.hostonly``)."""
+    pod = make_pod(name).container("c").annotate(ann.NODE_POLICY, "fragmentation").build()
+    pod["spec"]["containers"][0]["resources"] = {"requests": {"cpu": cpu}}
+    return pod
+
+
+def test_a_pod_without_a_gpu_is_placed_under_fragmentation_and_counted_until_bound(
+    h: Harness,
+) -> None:
+    h.cache.apply_node(node_obj("gpu", gpu("GPU-1")))
+    h.cache.apply_node({**node_obj("cpu"), "metadata": {"name": "cpu"}})  # no register
+    r = h.prefilter(cpu_only("p", "10"), limit=8)
+    assert r.code == OK and list(r.feasible_nodes) == ["cpu"] and list(r.scores) == [100]
+    assert r.feasible_total == 2  # the GPU node fits too: every one is offered if asked
+    assert list(h.prefilter(cpu_only("p", "10")).feasible_nodes) == ["cpu", "gpu"]
+    r = h.prefilter(cpu_only("p", "10"), limit=8)
+    assert h.reserve("p", "cpu", r.decision_id).annotations == {}  # nothing to hand over
+    # Counted at once: the next pod no longer fits there, so it goes to the GPU node.
+    assert list(h.prefilter(cpu_only("q", "10"), limit=8).feasible_nodes) == ["gpu"]
+    h.stub.Unreserve(pb.UnreserveRequest(version=V1, pod=ref("p"), node="cpu"))
+    assert list(h.prefilter(cpu_only("q", "10"), limit=8).feasible_nodes) == ["cpu"]
+    h.reserve("p", "cpu", h.prefilter(cpu_only("p", "10"), limit=8).decision_id)
+    bound = cpu_only("p", "10")
+    bound["metadata"]["uid"] = "uid-p"
+    bound["spec"]["nodeName"] = "cpu"
+    h.cache.apply_pod(bound)  # the watch shows it bound: its own record counts now
+    assert list(h.prefilter(cpu_only("q", "10"), limit=8).feasible_nodes) == ["gpu"]
+    # Nowhere room: kube-scheduler's own (its NodeResourcesFit explains, it may preempt).
+    assert h.prefilter(cpu_only("r", "17"), limit=8).code == pb.PreFilterResponse.SKIP
+
+
 @pytest.mark.parametrize(
     ("pod_json", "problem"),
     [

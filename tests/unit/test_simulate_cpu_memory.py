@@ -89,11 +89,12 @@ def run(
     capsys: pytest.CaptureFixture[str],
     nodes_and_pods: list[dict[str, Any]],
     pods: list[dict[str, Any]],
+    *flags: str,
 ) -> tuple[int, list[dict[str, Any]], str]:
     cluster_file, pods_file = tmp_path / "cluster.yaml", tmp_path / "pods.yaml"
     cluster_file.write_text(yaml.safe_dump_all(nodes_and_pods))
     pods_file.write_text(yaml.safe_dump_all(pods))
-    argv = ["simulate", "--cluster", str(cluster_file), "--pods", str(pods_file)]
+    argv = ["simulate", "--cluster", str(cluster_file), "--pods", str(pods_file), *flags]
     code = main([*argv, "--output", "json"])
     out, err = capsys.readouterr()
     return code, [json.loads(line) for line in out.splitlines() if line], err
@@ -246,3 +247,54 @@ def test_the_fragmentation_policy_says_what_the_pod_strands(
     assert devices[0] == devices[1]
     assert out[1]["reason"].startswith("fragmentation score ")
     assert "could not use there changes by +0.00 GPU, 2/2 nodes feasible" in out[1]["reason"]
+
+
+def fragmentation(obj: dict[str, Any], scheduler: str | None) -> dict[str, Any]:
+    obj["metadata"]["annotations"]["hami.io/node-scheduler-policy"] = "fragmentation"
+    if scheduler is not None:
+        obj["spec"]["schedulerName"] = scheduler
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "flags", "tessera"),
+    [
+        ("hami-scheduler", (), True),
+        (None, (), False),  # no webhook option: kube-scheduler's
+        (None, ("--host-only-pods",), True),
+        ("default-scheduler", ("--host-only-pods",), True),
+        ("other-scheduler", ("--host-only-pods",), False),
+    ],
+)
+def test_a_cpu_only_pod_tessera_gets_under_fragmentation_takes_a_gpu_less_node(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    scheduler: str | None,
+    flags: tuple[str, ...],
+    tessera: bool,
+) -> None:
+    """kube-scheduler's scores put a 2-CPU pod on g2 (see the test above); Tessera's rule on
+    c1, the free node without GPUs, then c1 again (c2 has less room), then g2 once c1 is
+    full."""
+    pods = [fragmentation(pod(f"web-{i}", "3", "4Gi"), scheduler) for i in range(3)]
+    code, out, _ = run(tmp_path, capsys, cluster(), pods, *flags)
+    assert code == 0
+    nodes = [r["node"] for r in out]
+    if not tessera:
+        assert nodes[0] == "g2" and "kube-scheduler's scores" in out[0]["reason"]
+        return
+    assert nodes == ["c1", "c1", "c2"]
+    assert "a node without GPUs" in out[0]["reason"]
+    assert all(r["annotations"] == {} for r in out)
+
+
+def test_a_cpu_only_pod_with_no_room_off_gpu_nodes_strands_the_least(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No node without GPUs has 6 CPUs free (c1 8 → full after the first): the second goes
+    to g2, the only GPU node with room, and the reason says what it strands."""
+    pods = [fragmentation(pod(f"batch-{i}", "6", "1Gi"), "hami-scheduler") for i in range(2)]
+    code, out, _ = run(tmp_path, capsys, cluster(), pods)
+    assert code == 0
+    assert [r["node"] for r in out] == ["c1", "g2"]
+    assert "no node without GPUs has room" in out[1]["reason"]

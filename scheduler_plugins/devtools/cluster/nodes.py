@@ -250,6 +250,30 @@ def node_object(name: str, group: NodeGroup, config: DeviceConfig, *, now: float
     }
 
 
+def cpu_node_object(
+    name: str, *, cpu: str, memory: str, pods: str = "110", labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """A kwok fake node without GPUs (no register annotation, no device resource)."""
+    resources = {"cpu": cpu, "memory": memory, "pods": pods}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                **(labels or {}),
+                KWOK_LABEL[0]: KWOK_LABEL[1],
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+            },
+            "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {},
+        "status": {"allocatable": dict(resources), "capacity": dict(resources)},
+    }
+
+
 def plan(profile: NodeProfile, count: int, start_index: int) -> list[tuple[str, NodeGroup]]:
     """Names and groups of ``count`` new nodes numbered from ``start_index``."""
     if count < 0:
@@ -292,7 +316,7 @@ def add_nodes(
     bar = Progress("creating nodes", len(objects), enabled=progress)
     names: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(objects) or 1))) as pool:
-        for name in pool.map(lambda obj: _create_node(api, obj), objects):
+        for name in pool.map(lambda obj: create_node(api, obj), objects):
             names.append(name)
             bar.update(len(names))
     bar.close(len(names))
@@ -305,7 +329,8 @@ def add_nodes(
     return names
 
 
-def _create_node(api: KubeApi, obj: dict[str, Any]) -> str:
+def create_node(api: KubeApi, obj: dict[str, Any]) -> str:
+    """Create the Node ``obj`` (``node_object``, ``cpu_node_object``) with its status."""
     name = str(obj["metadata"]["name"])
     created = api.post("/api/v1/nodes", obj)
     want = obj["status"]["allocatable"]

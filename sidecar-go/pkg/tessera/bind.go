@@ -47,6 +47,9 @@ func (p *Plugin) bindsFirst(ctx context.Context) bool {
 // unbound. The UID precondition keeps a recreated namesake from being bound. Pods without
 // handed-over annotations (no GPU, or the server wrote them) are DefaultBinder's.
 func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
+	if hostOnlyDecision(state) {
+		return fwk.NewStatus(fwk.Skip)
+	}
 	// PreBind has read Reserve's answer already; reading it here too keeps a handed-over pod
 	// from going to DefaultBinder without its annotations, whatever ran before.
 	if st := p.settleReserve(ctx, state, nodeName); !st.IsSuccess() {

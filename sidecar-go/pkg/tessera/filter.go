@@ -61,11 +61,17 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *v1.P
 	if err != nil {
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
-	if d.feasibleTotal > 0 {
-		// Other plugins rejected every candidate: try again at once with every feasible node.
+	if d.feasibleTotal > 0 || d.hostOnly {
+		// Other plugins rejected every candidate: try again at once with every feasible node
+		// (a pod without a GPU: kube-scheduler alone, its preemption included).
 		p.wide.add(pod.UID)
 		if p.handle != nil {
 			p.handle.Activate(klog.FromContext(ctx), map[string]*v1.Pod{pod.Namespace + "/" + pod.Name: pod})
+		}
+		if d.hostOnly {
+			return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
+				"Tessera: other plugins rejected the %d nodes it offered; kube-scheduler places the pod alone next",
+				len(d.scores)))
 		}
 		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
 			"Tessera: other plugins rejected the %d best of %d nodes that fit the GPU request; trying all of them next",

@@ -30,10 +30,31 @@ func (p *Plugin) PreBindPreFlight(ctx context.Context, state fwk.CycleState, _ *
 	if _, err := readDecision(state); err != nil {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
+	if hostOnlyDecision(state) {
+		p.settleHostOnly(ctx, state, nodeName)
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
 	if p.settleReserve(ctx, state, nodeName).IsSuccess() && handedOverAtReserve(state) {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
+}
+
+// settleHostOnly reads the Reserve answer of a pod without a Tessera resource and ends its
+// attempt: its CPU and memory are kube-scheduler's to check, so a failed Reserve (the server's
+// view behind kube-scheduler's) does not stop the binding; the server forgets what it counted
+// when the pod shows up bound, or at Unreserve.
+func (p *Plugin) settleHostOnly(ctx context.Context, state fwk.CycleState, nodeName string) {
+	st := p.settleReserve(ctx, state, nodeName)
+	if !st.IsSuccess() {
+		klog.FromContext(ctx).V(3).Info("Reserve of a pod without a GPU failed; binding it anyway",
+			"plugin", Name, "node", nodeName, "status", st.Message())
+	}
+	if data, err := state.Read(reserveKey); err == nil {
+		if r, ok := data.(*pendingReserve); ok {
+			r.traced.finish(OutcomeNoGPU)
+		}
+	}
 }
 
 // handedOverAtReserve says whether Reserve's answer already gave Bind the annotations.
@@ -48,7 +69,7 @@ func handedOverAtReserve(state fwk.CycleState) bool {
 // before DefaultBinder binds. Any failure is an Error so kube-scheduler unreserves and retries
 // the pod instead of binding it without them.
 func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
-	if _, err := readDecision(state); err != nil {
+	if _, err := readDecision(state); err != nil || hostOnlyDecision(state) {
 		return nil
 	}
 	if st := p.settleReserve(ctx, state, nodeName); !st.IsSuccess() {

@@ -9,6 +9,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"tessera/sidecar-go/pkg/pluginv1"
@@ -31,6 +32,10 @@ type decision struct {
 	infeasibleMessage string
 	// feasibleTotal > 0: scores holds only the best candidates of that many feasible nodes.
 	feasibleTotal uint32
+	// hostOnly: the pod asks for no Tessera resource; the server placed it by its CPU and
+	// memory (the fragmentation policy). Reserve counts them there; nothing is handed over,
+	// written or waited for at PreBind, and DefaultBinder binds it.
+	hostOnly bool
 }
 
 // rejection is a rejected node's Filter message.
@@ -62,9 +67,13 @@ func podRef(pod *v1.Pod) *pluginv1.PodRef {
 }
 
 // PreFilter asks the plugin server, once per cycle, for every node's verdict and score. A pod
-// that requests no Tessera resource is skipped without a call.
+// that requests no Tessera resource is the server's only under the fragmentation policy (it
+// answers Skip otherwise); once the best nodes it offered such a pod were all rejected, the
+// next attempt is kube-scheduler's alone.
 func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
-	if !p.resources.requested(pod) {
+	hostOnly := !p.resources.requested(pod)
+	if hostOnly && p.wide.has(pod.UID) {
+		p.wide.remove(pod.UID)
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	ctx, traced := p.tracing.startAttempt(ctx, state, pod)
@@ -74,12 +83,33 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Po
 	if err == nil {
 		resp, err = p.askPreFilter(ctx, pod, podJSON)
 	}
+	if hostOnly && err != nil {
+		// Such a pod needs nothing of the server: it goes on without it.
+		klog.FromContext(ctx).V(2).Info("PreFilter of a pod without a GPU failed; leaving it to kube-scheduler",
+			"plugin", Name, "pod", klog.KObj(pod), "err", err)
+		st := fwk.NewStatus(fwk.Skip)
+		traced.endPreFilter(st, nil, err, p.tracing.grace)
+		return nil, st
+	}
 	res, st := answerPreFilter(state, resp, err, podJSON, p.args.Timeout.Duration)
 	traced.endPreFilter(st, resp, err, p.tracing.grace)
-	if st.IsSuccess() {
-		trimFitRequests(state, p.resources[1:])
+	if !st.IsSuccess() {
+		return res, st
 	}
+	if hostOnly {
+		if d, err := readDecision(state); err == nil {
+			d.hostOnly = true
+		}
+		return res, st
+	}
+	trimFitRequests(state, p.resources[1:])
 	return res, st
+}
+
+// hostOnlyDecision says whether this cycle's decision is for a pod without a Tessera resource.
+func hostOnlyDecision(state fwk.CycleState) bool {
+	d, err := readDecision(state)
+	return err == nil && d.hostOnly
 }
 
 // errEncodingPod marks a pod the shim could not encode; nothing was sent.

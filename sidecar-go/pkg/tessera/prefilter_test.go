@@ -13,14 +13,17 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/kubernetes/fake"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"tessera/sidecar-go/pkg/pluginv1"
 )
 
-func TestPreFilterSkipsPodsWithoutTesseraResourcesWithoutRPC(t *testing.T) {
+func TestPodsWithoutTesseraResourcesTheServerSkipsAreKubeSchedulers(t *testing.T) {
 	fake, p := startFake(t, nil)
-	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	fake.set(func(s *fakeServer) {
+		s.preFilter = &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}
+	})
 	for name, pod := range map[string]*v1.Pod{
 		"cpu only":       makePod("cpu").obj(),
 		"zero gpu limit": makePod("zero").gpu("0").obj(),
@@ -46,8 +49,80 @@ func TestPreFilterSkipsPodsWithoutTesseraResourcesWithoutRPC(t *testing.T) {
 			}
 		})
 	}
-	if n := fake.total(); n != 0 {
-		t.Errorf("server got %d calls for non-GPU pods, want 0", n)
+	if pf, n := fake.count("PreFilter"), fake.total(); pf != 2 || n != 2 {
+		t.Errorf("server got %d calls (%d PreFilter) for pods it skips, want the 2 PreFilters alone", n, pf)
+	}
+}
+
+// A pod without a GPU the server places (fragmentation policy): Filter and Score read the
+// decision, Reserve counts it without asking for a hand-over, and nothing else is Tessera's:
+// no PreBind call, DefaultBinder binds.
+func TestAPodWithoutAGPUThatTheServerPlacesIsReservedAndLeftToDefaultBinder(t *testing.T) {
+	fake_, p := startFake(t, nil)
+	cs := fake.NewClientset()
+	got := bindings(cs, nil)
+	p.handle = &fakeHandle{cs: cs, bind: []string{Name, "DefaultBinder"}}
+	fake_.set(func(s *fakeServer) {
+		s.preFilter = &pluginv1.PreFilterResponse{
+			Code: pluginv1.PreFilterResponse_OK, FeasibleNodes: []string{"cpu-1"}, Scores: []int64{100},
+			DecisionId: 7, // every node that fits offered: the pod named nodes of its own
+		}
+		s.reserveHandsOver = true
+	})
+	pod := makePod("cpu").obj()
+	ctx, state := context.Background(), newState()
+	res, st := p.PreFilter(ctx, state, pod, nil)
+	if !st.IsSuccess() || res == nil || !res.NodeNames.Equal(sets.New("cpu-1")) {
+		t.Fatalf("PreFilter = %v, %v; want the offered node", res, st)
+	}
+	if st := p.Filter(ctx, state, pod, nodeInfo("cpu-1")); !st.IsSuccess() {
+		t.Errorf("Filter(cpu-1) = %v", st)
+	}
+	if s, _ := p.Score(ctx, state, pod, nodeInfo("cpu-1")); s != 100 {
+		t.Errorf("Score(cpu-1) = %d, want 100", s)
+	}
+	if st := p.Reserve(ctx, state, pod, "cpu-1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	if _, pre := p.PreBindPreFlight(ctx, state, pod, "cpu-1"); pre.Code() != fwk.Skip {
+		t.Errorf("PreBindPreFlight = %v, want Skip", pre)
+	}
+	if _, r, _, _ := fake_.last(); r.GetDecisionId() != 7 || r.GetHandOver() {
+		t.Errorf("Reserve sent %v; want decision 7 without hand-over", r)
+	}
+	if st := p.PreBind(ctx, state, pod, "cpu-1"); !st.IsSuccess() {
+		t.Errorf("PreBind = %v", st)
+	}
+	if st := p.Bind(ctx, state, pod, "cpu-1"); st.Code() != fwk.Skip || len(*got) != 0 {
+		t.Errorf("Bind = %v with %d bindings, want Skip (DefaultBinder's)", st, len(*got))
+	}
+	if n := fake_.count("PreBind"); n != 0 {
+		t.Errorf("PreBind RPCs = %d, want 0", n)
+	}
+	// Other plugins rejected the offered node: the next attempt is kube-scheduler's alone.
+	retry := newState()
+	p.PreFilter(ctx, retry, pod, nil)
+	if _, st := p.PostFilter(ctx, retry, pod, nil); st.IsSuccess() {
+		t.Fatalf("PostFilter = %v, want a retry", st)
+	}
+	before := fake_.count("PreFilter")
+	if _, st := p.PreFilter(ctx, newState(), pod, nil); st.Code() != fwk.Skip {
+		t.Errorf("PreFilter after the best nodes were rejected = %v, want Skip", st)
+	}
+	if n := fake_.count("PreFilter"); n != before {
+		t.Errorf("that PreFilter called the server (%d calls, want %d)", n, before)
+	}
+}
+
+func TestAPodWithoutAGPUGoesOnWithoutAnUnreachableServer(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.err = status.Error(codes.Unavailable, "down") })
+	gpuPod, cpuPod := makePod("gpu").gpu("1").obj(), makePod("cpu").obj()
+	if _, st := p.PreFilter(context.Background(), newState(), cpuPod, nil); st.Code() != fwk.Skip {
+		t.Errorf("PreFilter of a pod without a GPU = %v, want Skip", st)
+	}
+	if _, st := p.PreFilter(context.Background(), newState(), gpuPod, nil); st.IsSuccess() || st.Code() == fwk.Skip {
+		t.Errorf("PreFilter of a GPU pod = %v, want a failure", st)
 	}
 }
 

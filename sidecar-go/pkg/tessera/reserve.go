@@ -43,9 +43,16 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 		Pod:        podRef(pod),
 		Node:       nodeName,
 		DecisionId: d.id,
-		HandOver:   !trial && p.bindsFirst(ctx),
+		HandOver:   !trial && !d.hostOnly && p.bindsFirst(ctx),
 		Trial:      trial,
 	})
+	if err != nil && d.hostOnly {
+		// Nothing counted: kube-scheduler checked the pod's CPU and memory, which is all
+		// it asks. The server sees it when the watch shows it bound.
+		traced.end(OutcomeError, err)
+		traced.finish(OutcomeNoGPU)
+		return nil
+	}
 	if err != nil {
 		// A failed Reserve leaves the attempt open: the framework calls Unreserve next.
 		traced.end(OutcomeError, err)

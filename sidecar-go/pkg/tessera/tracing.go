@@ -76,6 +76,9 @@ const (
 	OutcomePreBound = "prebound"
 	// OutcomeBound: Tessera's Bind wrote the Binding with the annotations.
 	OutcomeBound = "bound"
+	// OutcomeNoGPU: the pod asked for no GPU; Reserve counted its CPU and memory, and
+	// DefaultBinder binds.
+	OutcomeNoGPU = "no-gpu"
 )
 
 const (

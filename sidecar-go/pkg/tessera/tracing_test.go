@@ -292,12 +292,20 @@ func TestTracingOffWritesNothing(t *testing.T) {
 	}
 }
 
-func TestPodsWithoutTesseraResourcesMakeNoSpans(t *testing.T) {
-	_, p := startFake(t, nil)
+func TestAPodTheServerSkipsEndsItsAttemptAtPreFilter(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) {
+		s.preFilter = &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}
+	})
 	rec := traced(t, p, attemptGrace)
 	p.PreFilter(context.Background(), newState(), makePod("cpu-only").obj(), nil)
-	if got := len(rec.Started()); got != 0 {
-		t.Errorf("started %d spans for a pod Tessera skips", got)
+	if started, ended := len(rec.Started()), len(rec.Ended()); started != ended || ended == 0 {
+		t.Fatalf("%d spans started, %d ended; want all of them ended", started, ended)
+	}
+	for _, s := range rec.Ended() {
+		if got := attr(s, AttrOutcome); got != OutcomeSkip {
+			t.Errorf("span %s outcome %q, want %q", s.Name(), got, OutcomeSkip)
+		}
 	}
 }
 
