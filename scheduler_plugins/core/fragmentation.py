@@ -116,12 +116,29 @@ DEFAULT_MIX: Final = TaskMix(np.zeros(1), np.zeros(1), np.ones(1), np.ones(1), n
 """Before any pod is seen: one whole GPU, no CPU or memory."""
 
 
+MIX_DRIFT: Final = 0.02
+"""A rebuilt mix with the same kinds replaces the one in use only once their weights differ by
+this much (total variation: half the sum of the weights' differences)."""
+
+
+def drift(a: TaskMix, b: TaskMix) -> float:
+    """How far ``b``'s weights are from ``a``'s (total variation); 1.0 when the kinds differ."""
+    if a.weight.shape != b.weight.shape or not all(
+        np.array_equal(x, y)
+        for x, y in ((a.cpu, b.cpu), (a.memory, b.memory), (a.gpus, b.gpus), (a.share, b.share))
+    ):
+        return 1.0
+    return float(np.abs(a.weight - b.weight).sum() / 2)
+
+
 class KindCounts:
     """The kinds of pods held, counted as they come and go (a cluster state keeps one).
     ``mix`` is rebuilt when a kind appears or goes, and else once the counts moved by a
-    hundredth (at least ``_REWEIGH`` pods) since the last build: what the policy keeps per
-    node is computed for one mix, so a burst of pods of known kinds does not recompute it
-    per pod."""
+    hundredth (at least ``_REWEIGH`` pods) since the last build; the rebuilt mix replaces the
+    one in use only when its kinds differ or its weights drifted by ``MIX_DRIFT``. What the
+    policy keeps per node is computed for one mix (a new mix recomputes every node), so
+    neither a burst of pods of known kinds nor a rare kind outside the mix does that per
+    pod."""
 
     _REWEIGH: Final = 16
 
@@ -147,7 +164,9 @@ class KindCounts:
 
     def mix(self) -> TaskMix:
         if self._kinds_changed or self._moved >= max(self._REWEIGH, self._held // 100):
-            self._mix = TaskMix.of(self._counts, self._coverage)
+            fresh = TaskMix.of(self._counts, self._coverage)
+            if drift(self._mix, fresh) >= MIX_DRIFT:
+                self._mix = fresh
             self._moved = 0
             self._kinds_changed = False
         return self._mix
@@ -434,12 +453,14 @@ def pod_shape(cpu_milli: int, memory_bytes: int, gpus: int, share: float) -> Sha
 __all__ = [
     "COVERAGE",
     "DEFAULT_MIX",
+    "MIX_DRIFT",
     "Delta",
     "KindCounts",
     "Parts",
     "Shape",
     "TaskMix",
     "device_deltas",
+    "drift",
     "fragmentation",
     "free_share",
     "last_min",

@@ -254,3 +254,37 @@ def test_what_a_pod_holds_is_always_a_shape(
 ) -> None:
     """A 1 MiB device of a large GPU, or odd counts: the state counts it, never refuses it."""
     assert fr.pod_shape(*args) == want
+
+
+def test_a_mix_that_barely_moved_is_kept_so_kept_rows_stay_valid() -> None:
+    """Rows kept per node are computed for one mix object: a rebuild whose kinds are the same
+    and whose weights moved less than ``MIX_DRIFT`` keeps the one in use; a real shift or a
+    new kind in the mix replaces it."""
+    kinds = fr.KindCounts()
+    for _ in range(50):
+        kinds.add(1000, 0, 1, 0.5, +1)
+        kinds.add(2000, 0, 1, 0.25, +1)
+    first = kinds.mix()
+    for _ in range(16):  # a reweigh is due; 66:50 vs 50:50 is a drift of 0.07
+        kinds.add(1000, 0, 1, 0.5, +1)
+    shifted = kinds.mix()
+    assert shifted is not first and fr.drift(first, shifted) >= fr.MIX_DRIFT
+    for _ in range(8):  # 66:58 vs 66:50
+        kinds.add(2000, 0, 1, 0.25, +1)
+    for _ in range(8):
+        kinds.add(2000, 0, 1, 0.25, -1)
+    assert kinds.mix() is shifted  # moved 16 and back: the same weights
+    kinds.add(3000, 0, 1, 1.0, +1)  # a new kind, within the 5 % the mix leaves out
+    assert kinds.mix() is shifted
+    for _ in range(30):
+        kinds.add(3000, 0, 1, 1.0, +1)
+    assert kinds.mix().share.tolist() == [0.25, 0.5, 1.0]
+
+
+def test_drift_is_total_variation_and_whole_when_the_kinds_differ() -> None:
+    a = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.5): 3, fr.Shape(0, 0, 1, 1.0): 1}, coverage=1.0)
+    b = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.5): 1, fr.Shape(0, 0, 1, 1.0): 1}, coverage=1.0)
+    assert fr.drift(a, b) == pytest.approx(0.25)
+    assert fr.drift(a, a) == 0.0
+    c = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.5): 1}, coverage=1.0)
+    assert fr.drift(a, c) == 1.0
