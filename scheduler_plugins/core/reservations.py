@@ -412,12 +412,17 @@ class Reservations:
                 req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
             )
             pod = self._pods.get(ident, {})
-            alike = _alike(pod, plan)
+            annotations = bind_annotations(plan, bind_time=int(self._wall_clock()))
+            alike = interchange_key(pod, annotations) if pod else None
+            # Done with the decision: gone before the state changes, it is not told to copy
+            # the GPU columns its lazy results would read (a copy of every column per pod).
+            self._decisions.pop(ident, None)
+            del decision
             self._cache.assume(alloc, _device_counts(req), alike)
             self._on_reserved(alloc.key)
             res = self._reservations[ident] = _Reservation(plan, pod, alike)
             self._reserved_as[key] = ident
-            handed = self._hand_over_now(key, res) if hand_over else None
+            handed = self._hand_over_now(key, res, annotations) if hand_over else None
         log.info("reserved", pod=key, node=node, handed_over=handed is not None, trial=trial)
         return handed
 
@@ -529,12 +534,13 @@ class Reservations:
 
     # ----- helpers -----------------------------------------------------------------------
 
-    def _hand_over_now(self, key: str, res: _Reservation) -> Handed | None:
+    def _hand_over_now(
+        self, key: str, res: _Reservation, annotations: dict[str, str]
+    ) -> Handed | None:
         """Reserve's hand-over (caller holds the cache lock): claim the node for the pod
-        now when no pod it must wait for is allocating there, and give the annotations to
-        the shim's Binding; it then skips PreBind (one RPC less per pod). None: PreBind
-        waits as usual."""
-        annotations = bind_annotations(res.plan, bind_time=int(self._wall_clock()))
+        now when no pod it must wait for is allocating there, and give its bind
+        ``annotations`` to the shim's Binding; it then skips PreBind (one RPC less per pod).
+        None: PreBind waits as usual."""
         if self._cache.blocking(res.plan.node, key, annotations, res.alike):
             return None
         self._cache.claim(key, res.plan.node, annotations, res.alike)

@@ -948,6 +948,8 @@ class SchedulingMetrics:
         self.decision_seconds.observe(seconds)
         if cpu_seconds is not None:
             self.decision_cpu_seconds.observe(cpu_seconds)
+        if not pending:  # a node fits: the common case
+            return
         for reason in Reason:
             if pending & reason:
                 self.pending_reasons.labels(reason_label(reason)).inc()
