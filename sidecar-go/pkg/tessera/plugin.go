@@ -62,6 +62,12 @@ type Args struct {
 	// with every feasible node.
 	CandidateNodes *int32 `json:"candidateNodes,omitempty"`
 
+	// HostOnlyPods: ask the plugin server about every pod that requests no Tessera resource
+	// (it places them under the fragmentation policy; set when the webhook routes such pods
+	// here). Otherwise only those that name the fragmentation policy themselves are asked;
+	// the rest are kube-scheduler's without a call.
+	HostOnlyPods bool `json:"hostOnlyPods,omitempty"`
+
 	ResourceCountName            string `json:"resourceCountName,omitempty"`
 	ResourceMemoryName           string `json:"resourceMemoryName,omitempty"`
 	ResourceMemoryPercentageName string `json:"resourceMemoryPercentageName,omitempty"`

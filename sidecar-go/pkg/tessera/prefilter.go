@@ -17,6 +17,13 @@ import (
 
 const decisionKey fwk.StateKey = Name + "/decision"
 
+// The node policy annotation, and the policy under which the server places pods that request
+// no Tessera resource.
+const (
+	nodePolicyAnnotation = "hami.io/node-scheduler-policy"
+	fragmentationPolicy  = "fragmentation"
+)
+
 // decision is the plugin server's answer for one pod in one cycle. It is never mutated after
 // PreFilter, so Clone can share it.
 type decision struct {
@@ -68,10 +75,14 @@ func podRef(pod *v1.Pod) *pluginv1.PodRef {
 
 // PreFilter asks the plugin server, once per cycle, for every node's verdict and score. A pod
 // that requests no Tessera resource is the server's only under the fragmentation policy (it
-// answers Skip otherwise); once the best nodes it offered such a pod were all rejected, the
-// next attempt is kube-scheduler's alone.
+// answers Skip otherwise), and is asked about only with HostOnlyPods or when it names that
+// policy; once the best nodes it offered such a pod were all rejected, the next attempt is
+// kube-scheduler's alone.
 func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *v1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
 	hostOnly := !p.resources.requested(pod)
+	if hostOnly && !p.args.HostOnlyPods && pod.Annotations[nodePolicyAnnotation] != fragmentationPolicy {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
 	if hostOnly && p.wide.has(pod.UID) {
 		p.wide.remove(pod.UID)
 		return nil, fwk.NewStatus(fwk.Skip)

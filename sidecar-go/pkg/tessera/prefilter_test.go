@@ -19,8 +19,35 @@ import (
 	"tessera/sidecar-go/pkg/pluginv1"
 )
 
+func TestPodsWithoutTesseraResourcesAreAskedAboutOnlyIfTheyMayBeTheServers(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		args     *Args
+		pod      *v1.Pod
+		wantCall bool
+	}{
+		{"plain pod", nil, makePod("cpu").obj(), false},
+		{"names fragmentation", nil, makePod("cpu").annotate(nodePolicyAnnotation, "fragmentation").obj(), true},
+		{"names binpack", nil, makePod("cpu").annotate(nodePolicyAnnotation, "binpack").obj(), false},
+		{"routed here (hostOnlyPods)", &Args{HostOnlyPods: true}, makePod("cpu").obj(), true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake, p := startFake(t, tc.args)
+			fake.set(func(s *fakeServer) {
+				s.preFilter = &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}
+			})
+			if _, st := p.PreFilter(context.Background(), newState(), tc.pod, nil); st.Code() != fwk.Skip {
+				t.Errorf("PreFilter = %v, want Skip", st)
+			}
+			if called := fake.count("PreFilter") > 0; called != tc.wantCall {
+				t.Errorf("server asked: %v, want %v", called, tc.wantCall)
+			}
+		})
+	}
+}
+
 func TestPodsWithoutTesseraResourcesTheServerSkipsAreKubeSchedulers(t *testing.T) {
-	fake, p := startFake(t, nil)
+	fake, p := startFake(t, &Args{HostOnlyPods: true})
 	fake.set(func(s *fakeServer) {
 		s.preFilter = &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}
 	})
@@ -69,7 +96,7 @@ func TestAPodWithoutAGPUThatTheServerPlacesIsReservedAndLeftToDefaultBinder(t *t
 		}
 		s.reserveHandsOver = true
 	})
-	pod := makePod("cpu").obj()
+	pod := makePod("cpu").annotate(nodePolicyAnnotation, "fragmentation").obj()
 	ctx, state := context.Background(), newState()
 	res, st := p.PreFilter(ctx, state, pod, nil)
 	if !st.IsSuccess() || res == nil || !res.NodeNames.Equal(sets.New("cpu-1")) {
@@ -117,7 +144,8 @@ func TestAPodWithoutAGPUThatTheServerPlacesIsReservedAndLeftToDefaultBinder(t *t
 func TestAPodWithoutAGPUGoesOnWithoutAnUnreachableServer(t *testing.T) {
 	fake, p := startFake(t, nil)
 	fake.set(func(s *fakeServer) { s.err = status.Error(codes.Unavailable, "down") })
-	gpuPod, cpuPod := makePod("gpu").gpu("1").obj(), makePod("cpu").obj()
+	gpuPod := makePod("gpu").gpu("1").obj()
+	cpuPod := makePod("cpu").annotate(nodePolicyAnnotation, "fragmentation").obj()
 	if _, st := p.PreFilter(context.Background(), newState(), cpuPod, nil); st.Code() != fwk.Skip {
 		t.Errorf("PreFilter of a pod without a GPU = %v, want Skip", st)
 	}

@@ -16,7 +16,7 @@ const (
 // policyAnnotations are the user annotations the server's decision depends on.
 var policyAnnotations = []string{
 	"nvidia.com/vgpu-mode",
-	"hami.io/node-scheduler-policy",
+	nodePolicyAnnotation,
 	"hami.io/gpu-scheduler-policy",
 	"nvidia.com/use-gputype",
 	"nvidia.com/nouse-gputype",

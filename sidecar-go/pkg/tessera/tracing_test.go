@@ -298,7 +298,8 @@ func TestAPodTheServerSkipsEndsItsAttemptAtPreFilter(t *testing.T) {
 		s.preFilter = &pluginv1.PreFilterResponse{Code: pluginv1.PreFilterResponse_SKIP}
 	})
 	rec := traced(t, p, attemptGrace)
-	p.PreFilter(context.Background(), newState(), makePod("cpu-only").obj(), nil)
+	pod := makePod("cpu-only").annotate(nodePolicyAnnotation, "fragmentation").obj()
+	p.PreFilter(context.Background(), newState(), pod, nil)
 	if started, ended := len(rec.Started()), len(rec.Ended()); started != ended || ended == 0 {
 		t.Fatalf("%d spans started, %d ended; want all of them ended", started, ended)
 	}
