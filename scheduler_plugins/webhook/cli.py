@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Final
 
 import structlog
 import yaml
@@ -30,11 +32,24 @@ from scheduler_plugins.webhook.manifest import (
     url_target,
     webhook_configuration,
 )
-from scheduler_plugins.webhook.rules import TESSERA_SCHEDULER, Settings
+from scheduler_plugins.webhook.rules import HOST_ONLY_EXCLUDE, TESSERA_SCHEDULER, Settings
 
 log = structlog.get_logger("tessera.webhook")
 
 IN_CLUSTER = "in-cluster"
+
+
+_NAMESPACE_RE: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _namespace(text: str) -> str:
+    """A namespace name (an RFC 1123 label), else argparse's error naming it."""
+    if len(text) > 63 or not _NAMESPACE_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace name (lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit, at most 63 characters)"
+        )
+    return text
 
 
 def add_webhook_commands(
@@ -76,6 +91,21 @@ def add_webhook_commands(
         help="user allowed to preset internal annotations and nodeName on create and to "
         "change internal annotations on update: Tessera's plugin server and node agent, a "
         "restore tool (repeatable)",
+    )
+    serve.add_argument(
+        "--host-only-pods",
+        action="store_true",
+        help="also give pods that ask for no GPU to Tessera's scheduler (it places them "
+        "under the fragmentation policy); it must then be running for them to schedule",
+    )
+    serve.add_argument(
+        "--host-only-exclude-namespace",
+        action="append",
+        default=[],
+        type=_namespace,
+        metavar="NAMESPACE",
+        help="never route this namespace's pods without a GPU (repeatable; kube-system "
+        "always; name Tessera's own namespace here)",
     )
     serve.add_argument("--address-file", type=Path, help="write HOST:PORT here once listening")
     serve.add_argument(
@@ -166,7 +196,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log.info("certificates", ca=str(pki.ca_cert), cert=str(cert))
     context = server_ssl_context(str(cert), str(key))
     config = load_config_file(args.config) if args.config else DeviceConfig()
-    settings = Settings(args.scheduler_name, config, frozenset(args.trusted_user))
+    settings = Settings(
+        args.scheduler_name,
+        config,
+        frozenset(args.trusted_user),
+        host_only_pods=args.host_only_pods,
+        host_only_exclude=HOST_ONLY_EXCLUDE | frozenset(args.host_only_exclude_namespace),
+    )
     kube = None
     if args.kubeconfig == IN_CLUSTER:
         kube = KubeClient.in_cluster()

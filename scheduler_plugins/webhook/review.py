@@ -193,7 +193,9 @@ def answer(body: bytes, facts: ClusterFacts, settings: Settings) -> Answer:
     if req.is_pod_update and req.obj is not None and req.old is not None:
         verdict = review_pod_update(req.old, req.obj, user=req.user, settings=settings)
     elif req.is_pod_create and req.obj is not None:
-        verdict = review_pod(req.obj, user=req.user, facts=facts, settings=settings)
+        verdict = review_pod(
+            req.obj, user=req.user, facts=facts, settings=settings, namespace=req.namespace
+        )
     else:
         return Answer(200, response(req.uid, PodVerdict()), {**fields, "judged": False})
     fields.update(

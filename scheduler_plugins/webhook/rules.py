@@ -15,6 +15,11 @@ Rules, in the order a user meets them:
   preset both.
 - A pod that asks for Tessera resources and names no scheduler (or ``default-scheduler``)
   gets ``spec.schedulerName`` set to Tessera's; a pod naming another scheduler is left to it.
+- With ``Settings.host_only_pods`` (off by default), so does a pod that asks for no GPU,
+  names no scheduler (or ``default-scheduler``), presets no ``spec.nodeName`` and is not in
+  one of ``Settings.host_only_exclude`` (``kube-system``; the CLI adds Tessera's own
+  namespace): Tessera places such pods under the fragmentation policy, so their CPU and
+  memory strand as little GPU capacity as possible. Nothing else is set on them.
 - For Tessera's pods: each container that asks for memory or cores but not for a device
   count gets the config's default count (``nvidia.com/gpu: 1``) in its limits and requests;
   requests that no GPU could ever satisfy are refused (400): the same validation the
@@ -44,11 +49,18 @@ DEFAULT_SCHEDULER: Final = "default-scheduler"
 TESSERA_SCHEDULER: Final = "hami-scheduler"
 
 
+HOST_ONLY_EXCLUDE: Final = frozenset({"kube-system"})
+"""Namespaces whose pods without a GPU the webhook never routes to Tessera's scheduler."""
+
+
 @dataclass(frozen=True)
 class Settings:
     scheduler_name: str = TESSERA_SCHEDULER
     config: DeviceConfig = field(default_factory=DeviceConfig)
     trusted_users: frozenset[str] = frozenset()
+    # Route pods that ask for no GPU to Tessera's scheduler too (outside host_only_exclude).
+    host_only_pods: bool = False
+    host_only_exclude: frozenset[str] = HOST_ONLY_EXCLUDE
 
 
 @dataclass(frozen=True)
@@ -123,9 +135,15 @@ def asks_tessera(pod: Mapping[str, Any], config: DeviceConfig) -> bool:
 
 
 def review_pod(
-    pod: Mapping[str, Any], *, user: str, facts: ClusterFacts, settings: Settings
+    pod: Mapping[str, Any],
+    *,
+    user: str,
+    facts: ClusterFacts,
+    settings: Settings,
+    namespace: str = "",
 ) -> PodVerdict:
-    """The verdict on a pod being created by ``user``."""
+    """The verdict on a pod being created by ``user`` in ``namespace`` (the AdmissionReview's;
+    a new pod's own metadata often names none)."""
     config = settings.config
     tessera = asks_tessera(pod, config)
     forbidden: list[str] = []
@@ -140,7 +158,9 @@ def review_pod(
                 "spec.nodeName and use a nodeSelector or node affinity instead"
             )
     scheduler = _dict(pod.get("spec")).get("schedulerName") or DEFAULT_SCHEDULER
-    if not tessera or scheduler not in (DEFAULT_SCHEDULER, settings.scheduler_name):
+    if not tessera:
+        return PodVerdict(_route_host_only(pod, scheduler, namespace, settings), tuple(forbidden))
+    if scheduler not in (DEFAULT_SCHEDULER, settings.scheduler_name):
         return PodVerdict(forbidden=tuple(forbidden))
     forbidden += [
         f"container {c.get('name')!r} is privileged: it would see every GPU of its node, "
@@ -153,7 +173,7 @@ def review_pod(
     except InvalidRequestError as e:
         return PodVerdict(forbidden=tuple(forbidden), invalid=(e.problem,))
     if not request.wants_gpu:  # every container asks for 0 devices
-        return PodVerdict(forbidden=tuple(forbidden))
+        return PodVerdict(_route_host_only(pod, scheduler, namespace, settings), tuple(forbidden))
     invalid = _impossible(request, facts, config)
     patch: list[PatchOp] = []
     if scheduler != settings.scheduler_name:
@@ -161,6 +181,23 @@ def review_pod(
     patch += _default_counts(pod, config)
     patch += _device_config_settings(pod, config)
     return PodVerdict(tuple(patch), tuple(forbidden), tuple(invalid))
+
+
+def _route_host_only(
+    pod: Mapping[str, Any], scheduler: str, namespace: str, settings: Settings
+) -> tuple[PatchOp, ...]:
+    """The patch that gives a pod asking for no GPU to Tessera's scheduler, if the settings
+    route such pods and this one may go (see the module's rules)."""
+    spec = _dict(pod.get("spec"))
+    namespace = namespace or str(_dict(pod.get("metadata")).get("namespace") or "default")
+    if (
+        not settings.host_only_pods
+        or scheduler != DEFAULT_SCHEDULER
+        or spec.get("nodeName")
+        or namespace in settings.host_only_exclude
+    ):
+        return ()
+    return (PatchOp(pointer("spec", "schedulerName"), settings.scheduler_name),)
 
 
 def review_pod_update(

@@ -245,11 +245,13 @@ def tessera_cluster(
     timeout_s: float = 120.0,
     tessera_args: Mapping[str, object] | None = None,
     prepare: Callable[[KubeApi, list[str]], None] | None = None,
+    webhook_args: Sequence[str] = (),
 ) -> Iterator[E2ECluster]:
     """A dev cluster with the profile's fake GPU nodes and Tessera's stack; torn down (purged)
     on exit, failing if any of its processes outlives ``down``. ``tessera_args`` override the
     example profile's Tessera plugin args; ``prepare(api, node names)`` runs once the nodes
-    are ready and before Tessera starts (what another scheduler left in the cluster)."""
+    are ready and before Tessera starts (what another scheduler left in the cluster);
+    ``webhook_args``: more flags of the webhook."""
     settings = settings_in(state_dir, name)
     cluster = Cluster(settings)
     t0 = time.monotonic()
@@ -260,7 +262,9 @@ def tessera_cluster(
             wait_ready(api, names, timeout_s=timeout_s)
             if prepare is not None:
                 prepare(api, names)
-            start_stack(settings, timeout_s=60.0, tessera_args=tessera_args)
+            start_stack(
+                settings, timeout_s=60.0, tessera_args=tessera_args, webhook_args=webhook_args
+            )
             log.info("e2e.cluster_ready", cluster=name, seconds=round(time.monotonic() - t0, 1))
             yield E2ECluster(settings, api, _registers(api, names))
     finally:

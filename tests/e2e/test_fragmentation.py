@@ -34,7 +34,16 @@ FRAGMENTATION: Final = {ann.VGPU_MODE: "hami-core", ann.NODE_POLICY: "fragmentat
 @pytest.fixture(scope="module")
 def cluster(built_tools: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2ECluster]:
     state = tmp_path_factory.mktemp("e2e-fragmentation")
-    with tessera_cluster(state, "e2e-frag", HERE / "nodes-scores.yaml", 3) as c:
+    with tessera_cluster(
+        state,
+        "e2e-frag",
+        HERE / "nodes-scores.yaml",
+        3,
+        # Pods without a GPU that name no scheduler go to Tessera's (the chart's
+        # webhook.hostOnlyPods), and the plugin asks the server about every such pod.
+        tessera_args={"hostOnlyPods": True},
+        webhook_args=["--host-only-pods"],
+    ) as c:
         yield c
 
 
@@ -96,3 +105,10 @@ def test_a_pod_without_a_gpu_takes_a_node_without_gpus_first(cluster: E2ECluster
     placed = c.wait_bound("cpu-b")
     assert node_of(placed) in c.nodes_in_mode("hami-core")
     assert ann.VGPU_NODE not in annots(placed)
+
+    # A pod that names no scheduler: the webhook routes it to Tessera's (it is no
+    # default-scheduler pod any more), and it takes the 5 CPUs left off the GPU nodes.
+    unnamed = _cpu_pod("cpu-c", "4")
+    del unnamed["spec"]["schedulerName"]
+    assert c.create(unnamed)["spec"]["schedulerName"] == "hami-scheduler"
+    assert node_of(c.wait_bound("cpu-c")) == "frag-cpu-0"

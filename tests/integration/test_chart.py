@@ -695,6 +695,38 @@ def test_webhook_never_sees_its_own_namespace_or_opted_out_pods(default: Rendere
         assert labels["hami.io/webhook"] == "ignore"
 
 
+def test_host_only_pods_turn_on_the_webhook_routing_and_the_plugin_asking(
+    helm_bin: Path, default: Rendered
+) -> None:
+    """Off by default; on, the webhook routes pods without a GPU (never from the namespaces
+    it skips) and the scheduler plugin asks the server about them."""
+
+    def state(r: Rendered) -> tuple[list[str], object]:
+        command = r.container(f"{fullname()}-scheduler", "webhook")["command"]
+        args = _scheduler_config(r)["profiles"][0]["pluginConfig"][1]["args"]
+        return [a for a in command if a.startswith("--host-only")], args["hostOnlyPods"]
+
+    assert state(default) == ([], False)
+    on = render(
+        helm_bin,
+        {
+            "webhook": {
+                "hostOnlyPods": {"enabled": True},
+                "excludeNamespaces": ["kube-system", "ops"],
+            }
+        },
+    )
+    assert state(on) == (
+        [
+            "--host-only-pods",
+            "--host-only-exclude-namespace=kube-system",
+            "--host-only-exclude-namespace=ops",
+            f"--host-only-exclude-namespace={NAMESPACE}",
+        ],
+        True,
+    )
+
+
 # Values that must stop the render, and the message that says what to change.
 BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     (

@@ -148,3 +148,13 @@ def test_dev_apiserver_keeps_mutating_admission_webhooks(tmp_path: Path) -> None
     # Enabled by default; an explicit list would have to name it.
     assert all("MutatingAdmissionWebhook" in e for e in enabled)
     assert not any(a.startswith("--admission-control=") for a in argv)
+
+
+@pytest.mark.parametrize("name", ["Team_A", "", "a-", "a" * 64])
+def test_a_bad_excluded_namespace_is_refused_by_name(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["webhook", "serve", "--host-only-pods", "--host-only-exclude-namespace", name])
+    assert e.value.code == 2
+    assert f"{name!r} is not a namespace name" in capsys.readouterr().err

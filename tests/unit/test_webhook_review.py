@@ -189,3 +189,16 @@ def test_log_fields_name_the_pod() -> None:
     a = answer(body(review(pod)), UNKNOWN, SETTINGS)
     assert a.fields["pod"] == "team-a/job-<generated>"
     assert a.fields["allowed"] is True and a.fields["patch"] == ["/spec/schedulerName"]
+
+
+def test_the_reviews_namespace_decides_where_pods_without_a_gpu_may_be_routed() -> None:
+    routing = Settings(host_only_pods=True, host_only_exclude=frozenset({"team-a"}))
+    cpu_pod = make_pod("p").container("c", cpu="1").build()
+    del cpu_pod["metadata"]["namespace"]  # as kubectl sends it: the review names it
+    excluded = answer(body(review(cpu_pod)), UNKNOWN, routing).body["response"]
+    assert "patch" not in excluded
+    doc = review(cpu_pod)
+    doc["request"]["namespace"] = "team-b"
+    routed = answer(body(doc), UNKNOWN, routing).body["response"]
+    ops = json.loads(base64.b64decode(routed["patch"]))
+    assert ops == [{"op": "add", "path": "/spec/schedulerName", "value": "hami-scheduler"}]

@@ -502,3 +502,65 @@ def test_update_may_not_alter_internal_annotations(
     assert verdict.allowed == (not forbidden)
     if forbidden:
         assert verdict.code == 403
+
+
+ROUTING = Settings(host_only_pods=True, host_only_exclude=frozenset({"kube-system", "tessera"}))
+TO_TESSERA = (("add", "/spec/schedulerName", "hami-scheduler"),)
+
+
+def _cpu_pod(**spec: Any) -> dict[str, Any]:
+    p = make_pod("web", "team-a").container("main", cpu="1").build()
+    p["spec"].update(spec)
+    return p
+
+
+HOST_ONLY = [
+    ("option off: left to kube-scheduler", SETTINGS, _cpu_pod(), "team-a", ()),
+    ("routed", ROUTING, _cpu_pod(), "team-a", TO_TESSERA),
+    (
+        "names default-scheduler: routed",
+        ROUTING,
+        _cpu_pod(schedulerName="default-scheduler"),
+        "team-a",
+        TO_TESSERA,
+    ),
+    ("names Tessera already", ROUTING, _cpu_pod(schedulerName="hami-scheduler"), "team-a", ()),
+    ("names another scheduler", ROUTING, _cpu_pod(schedulerName="volcano"), "team-a", ()),
+    ("preset nodeName", ROUTING, _cpu_pod(nodeName="n1"), "team-a", ()),
+    ("kube-system", ROUTING, _cpu_pod(), "kube-system", ()),
+    ("Tessera's own namespace", ROUTING, _cpu_pod(), "tessera", ()),
+    (
+        "namespace from the pod when the review names none",
+        ROUTING,
+        make_pod("x", "tessera").container("c", cpu="1").build(),
+        "",
+        (),
+    ),
+    (
+        "zero GPUs: asks for none",
+        ROUTING,
+        make_pod("z", "team-a").gpu(0).build(),
+        "team-a",
+        TO_TESSERA,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("settings", "obj", "namespace", "patch"),
+    [c[1:] for c in HOST_ONLY],
+    ids=[c[0] for c in HOST_ONLY],
+)
+def test_pods_without_a_gpu_go_to_tessera_only_when_routed(
+    settings: Settings, obj: dict[str, Any], namespace: str, patch: tuple[Any, ...]
+) -> None:
+    verdict = review_pod(obj, user="alice", facts=FACTS, settings=settings, namespace=namespace)
+    assert verdict.allowed
+    assert tuple((op.op, op.path, op.value) for op in verdict.patch) == patch
+
+
+def test_routing_leaves_gpu_pods_as_they_were() -> None:
+    obj = pod(**{GPU: 1, MEM: 1000}).build()
+    plain = review_pod(obj, user="alice", facts=FACTS, settings=SETTINGS, namespace="team-a")
+    routed = review_pod(obj, user="alice", facts=FACTS, settings=ROUTING, namespace="team-a")
+    assert routed == plain and plain.patch

@@ -13,7 +13,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -124,9 +124,11 @@ def start_stack(
     webhook: bool = True,
     tracing_env: Mapping[str, str] | None = None,
     tessera_args: Mapping[str, object] | None = None,
+    webhook_args: Sequence[str] = (),
 ) -> StackPaths:
     """Start the three processes and wait until each is ready; stop all on failure.
-    ``webhook``: then also Tessera's admission webhook (``devcluster.webhook``).
+    ``webhook``: then also Tessera's admission webhook (``devcluster.webhook``), with
+    ``webhook_args``.
     ``tracing_env``: OTEL_* variables for the scheduler and the plugin server on top of the
     environment every component inherits (tracing is off unless OTEL_TRACES_EXPORTER is set).
     ``tessera_args``: Tessera plugin args replacing the example profile's (tests)."""
@@ -151,7 +153,11 @@ def start_stack(
             )
         if webhook:
             start_webhook(
-                s, scheduler_name=SCHEDULER_NAME, device_config=device_config, timeout_s=timeout_s
+                s,
+                scheduler_name=SCHEDULER_NAME,
+                device_config=device_config,
+                timeout_s=timeout_s,
+                extra_args=webhook_args,
             )
     except BaseException:
         stop_stack(s)

@@ -64,8 +64,10 @@ def start_webhook(
     device_config: Path | None = None,
     trusted_users: Sequence[str] = (ADMIN_USER,),
     timeout_s: float = 60.0,
+    extra_args: Sequence[str] = (),
 ) -> str:
-    """Start the webhook and register it; returns its URL once the apiserver calls it."""
+    """Start the webhook and register it; returns its URL once the apiserver calls it.
+    ``extra_args``: more flags of ``tessera webhook serve`` (e.g. ``--host-only-pods``)."""
     t0 = time.monotonic()
     paths = WebhookPaths.of(s)
     processes.stop(s.pid_file(WEBHOOK))
@@ -91,6 +93,7 @@ def start_webhook(
         scheduler_name,
         *(a for u in trusted_users for a in ("--trusted-user", u)),
         *(["--config", str(device_config)] if device_config else []),
+        *extra_args,
     ]
     record = processes.spawn(
         WEBHOOK, argv, log_path=s.log_file(WEBHOOK), pid_path=s.pid_file(WEBHOOK)
