@@ -323,19 +323,7 @@ class Simulation:
             f"allocated) + {balanced} (NodeResourcesBalancedAllocation), "
             f"{fitting}/{len(placement.names)} nodes fit its CPU and memory"
         )
-        if req.cpu_milli > 0 or req.memory_bytes > 0:
-            state.assume(
-                PodAllocation(
-                    req.key,
-                    node,
-                    (),
-                    (),
-                    req.cpu_milli,
-                    req.memory_bytes,
-                    uid=req.uid,
-                    priority=req.priority,
-                )
-            )
+        self._count_host(req, node)
         return Result(req.key, "Scheduled", node, {}, reason)
 
     def _place_host_only(self, req: PodRequest) -> Result:
@@ -363,8 +351,13 @@ class Simulation:
                 f"({placement.scores[0]}/100 to kube-scheduler), "
                 f"{len(placement.names)} GPU nodes fit"
             )
+        self._count_host(req, node)
+        return Result(req.key, "Scheduled", node, {}, reason)
+
+    def _count_host(self, req: PodRequest, node: str) -> None:
+        """A pod without a GPU request placed on ``node``: its CPU and memory count there."""
         if req.cpu_milli > 0 or req.memory_bytes > 0:
-            state.assume(
+            self._state.assume(
                 PodAllocation(
                     req.key,
                     node,
@@ -376,7 +369,6 @@ class Simulation:
                     priority=req.priority,
                 )
             )
-        return Result(req.key, "Scheduled", node, {}, reason)
 
     def _unschedulable(self, req: PodRequest, why: str, nodes: Iterable[str]) -> Result:
         """``req`` fits no node (``why``), with whom preemption would preempt for it on

@@ -248,17 +248,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             nominated_node(pod),
         )
         self._metrics.observe_decision(offer.wall_s, offer.pending, cpu_seconds=offer.cpu_s)
-        if not req.wants_gpu:
-            if not offer.nodes:  # kube-scheduler's NodeResourcesFit says why; it may preempt
-                return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
-            return pb.PreFilterResponse(
-                code=pb.PreFilterResponse.OK,
-                feasible_nodes=offer.nodes,
-                scores=offer.scores,
-                decision_id=offer.decision_id,
-                feasible_total=offer.feasible_total,
-            )
-        if self._gangs is not None:
+        if not req.wants_gpu and not offer.nodes:
+            # kube-scheduler's NodeResourcesFit says why, and its preemption may make room.
+            return pb.PreFilterResponse(code=pb.PreFilterResponse.SKIP)
+        if self._gangs is not None and req.wants_gpu:
             self._gangs.offered(pod, req.key, None if offer.nodes else offer.why)
         if not offer.nodes:
             if self._events is not None:

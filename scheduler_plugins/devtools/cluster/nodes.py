@@ -217,20 +217,46 @@ def node_object(name: str, group: NodeGroup, config: DeviceConfig, *, now: float
     split = config.node(name).device_split_count or config.device_split_count
     if group.mode == "mps":
         split = min(split, MPS_MAX_CLIENTS)  # the slots each GPU registers
-    resources = {
-        "cpu": group.cpu,
-        "memory": group.memory,
-        "pods": group.pods,
-        config.resource_count_name: str(group.gpus_per_node * split),
-    }
     register = simulated_register_json(name, group.model, group.gpus_per_node, group.mode, config)
+    return _kwok_node(
+        name,
+        {
+            "cpu": group.cpu,
+            "memory": group.memory,
+            "pods": group.pods,
+            config.resource_count_name: str(group.gpus_per_node * split),
+        },
+        group.labels,
+        {
+            NODE_REGISTER: register,
+            # HAMi's scheduler only trusts a register annotation with a fresh handshake.
+            HANDSHAKE_ANNOTATION: "Reported "
+            + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)),
+        },
+    )
+
+
+def cpu_node_object(
+    name: str, *, cpu: str, memory: str, pods: str = "110", labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """A kwok fake node without GPUs (no register annotation, no device resource)."""
+    return _kwok_node(name, {"cpu": cpu, "memory": memory, "pods": pods}, labels or {}, {})
+
+
+def _kwok_node(
+    name: str,
+    resources: Mapping[str, str],
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+) -> dict[str, Any]:
+    """A Node kwok manages, with ``resources`` allocatable (status included)."""
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": name,
             "labels": {
-                **group.labels,
+                **labels,
                 KWOK_LABEL[0]: KWOK_LABEL[1],
                 "kubernetes.io/hostname": name,
                 "kubernetes.io/os": "linux",
@@ -239,35 +265,8 @@ def node_object(name: str, group: NodeGroup, config: DeviceConfig, *, now: float
             "annotations": {
                 KWOK_NODE_ANNOTATION: "fake",
                 "node.alpha.kubernetes.io/ttl": "0",
-                NODE_REGISTER: register,
-                # HAMi's scheduler only trusts a register annotation with a fresh handshake.
-                HANDSHAKE_ANNOTATION: "Reported "
-                + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)),
+                **annotations,
             },
-        },
-        "spec": {},
-        "status": {"allocatable": dict(resources), "capacity": dict(resources)},
-    }
-
-
-def cpu_node_object(
-    name: str, *, cpu: str, memory: str, pods: str = "110", labels: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """A kwok fake node without GPUs (no register annotation, no device resource)."""
-    resources = {"cpu": cpu, "memory": memory, "pods": pods}
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                **(labels or {}),
-                KWOK_LABEL[0]: KWOK_LABEL[1],
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-            },
-            "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
         },
         "spec": {},
         "status": {"allocatable": dict(resources), "capacity": dict(resources)},
