@@ -147,12 +147,14 @@ def test_tessera_manifest_per_kind(
     assert m["metadata"]["namespace"] == "ns"
 
 
-def test_node_policy_goes_on_gpu_pods_only() -> None:
+def test_node_policy_goes_on_gpu_pods_and_fragmentation_on_every_pod() -> None:
     gpu, plain = BenchPod("g", PodKind.MIG, gpus=1, mode="mig"), BenchPod("p", PodKind.PLAIN)
     m = tessera_manifest(gpu, namespace="ns", labels=LABELS, node_policy=Policy.SPREAD)
     assert m["metadata"]["annotations"][ann.NODE_POLICY] == "spread"
     m = tessera_manifest(plain, namespace="ns", labels=LABELS, node_policy=Policy.SPREAD)
     assert "annotations" not in m["metadata"]
+    m = tessera_manifest(plain, namespace="ns", labels=LABELS, node_policy=Policy.FRAGMENTATION)
+    assert m["metadata"]["annotations"][ann.NODE_POLICY] == "fragmentation"
 
 
 @settings(max_examples=15, deadline=None)

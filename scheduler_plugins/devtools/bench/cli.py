@@ -19,7 +19,7 @@ from scheduler_plugins.devtools.bench.errors import BenchInputError
 DEFAULT_OUTPUT: Final = Path("benchmarks/results")
 DEFAULT_NAME: Final = "cluster-bench"
 SCHEDULERS: Final = ("tessera", "stock")
-NODE_POLICIES: Final = ("binpack", "spread")
+NODE_POLICIES: Final = ("binpack", "spread", "fragmentation")
 
 
 def add_bench_command(
@@ -101,7 +101,8 @@ def add_bench_command(
         "--node-policy",
         choices=NODE_POLICIES,
         help="annotate Tessera's GPU pods with this node policy (default: none, so the "
-        "cluster default, binpack)",
+        "cluster default, binpack); fragmentation goes on pods without a GPU too, which "
+        "Tessera then places as well",
     )
     p.add_argument(
         "--webhook",

@@ -269,7 +269,9 @@ def tessera_manifest(
     node_policy: Policy | None = None,
 ) -> Obj:
     """The pod as a Tessera user writes it (``hami-scheduler``, GPU shares, annotations);
-    ``node_policy`` overrides the cluster's default node policy on GPU pods."""
+    ``node_policy`` overrides the cluster's default node policy on GPU pods, and under the
+    fragmentation policy on pods without a GPU too (Tessera then places those as well, as it
+    does pods the webhook's ``hostOnlyPods`` routes to it)."""
     limits: dict[str, object] = {}
     if pod.gpus:
         limits[GPU] = pod.gpus
@@ -284,7 +286,7 @@ def tessera_manifest(
         annotations[ann.VGPU_MODE] = pod.mode
     if pod.gpu_uuid is not None:
         annotations[ann.USE_GPUUUID] = pod.gpu_uuid
-    if node_policy is not None and pod.gpus:
+    if node_policy is not None and (pod.gpus or node_policy is Policy.FRAGMENTATION):
         annotations[ann.NODE_POLICY] = node_policy.value
     return _manifest(pod, SCHEDULER_NAME, limits, annotations, namespace, labels)
 
