@@ -10,7 +10,6 @@ records metrics and Unschedulable events; the lifecycle decides, reserves and bi
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -18,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import grpc
+import orjson
 import structlog
 
 from api.errors import InvalidInputError, short_repr
@@ -315,12 +315,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def _read_pod(self, pod_json: bytes, ref: pb.PodRef) -> tuple[dict[str, Any], PodRequest]:
         """The pod a request carries as JSON, its metadata completed from ``ref``, and what
         it asks; ``_InvalidPod`` says what is wrong with it."""
-        try:
-            pod = json.loads(pod_json)
-        except ValueError as e:  # also invalid UTF-8
-            raise _InvalidPod(f"pod_json is not JSON: {e}") from None
-        except RecursionError:
-            raise _InvalidPod("pod_json is nested too deeply") from None
+        pod = _json(pod_json, "pod_json")
         if not isinstance(pod, dict):
             raise _InvalidPod("pod_json is not a JSON object")
         meta = pod.setdefault("metadata", {})
@@ -340,12 +335,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def _added(self, raw: bytes, what: str) -> Added:
         """A pod a dry run counts as placed on the node: its uid, and what it asks of Tessera
         (None when its GPU request is invalid: Tessera would never place it)."""
-        try:
-            pod = json.loads(raw)
-        except ValueError as e:
-            raise _InvalidPod(f"{what} is not JSON: {e}") from None
-        except RecursionError:
-            raise _InvalidPod(f"{what} is nested too deeply") from None
+        pod = _json(raw, what)
         if not isinstance(pod, dict) or not isinstance(pod.get("metadata", {}), dict):
             raise _InvalidPod(f"{what} is not a Pod object")
         uid = pod.get("metadata", {}).get("uid")
@@ -439,6 +429,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "plugin server is rebuilding its cluster state from the API; retry shortly",
             )
+
+
+def _json(raw: bytes, what: str) -> Any:
+    """``raw`` decoded (orjson: a third of the standard library's time on a pod), else
+    ``_InvalidPod`` naming ``what`` and the problem."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:  # also invalid UTF-8
+        if str(e).startswith("depth limit exceeded"):
+            raise _InvalidPod(f"{what} is nested too deeply") from None
+        raise _InvalidPod(f"{what} is not JSON: {e}") from None
 
 
 T = TypeVar("T")
