@@ -180,6 +180,18 @@ def _pki(args: argparse.Namespace) -> ServingPki:
     return ensure_serving_pki(args.cert_dir or default_cert_dir(), args.host or DEFAULT_HOSTS)
 
 
+def serve_settings(args: argparse.Namespace, config: DeviceConfig) -> Settings:
+    """The rules' settings from ``webhook serve``'s parsed flags (kube-system is always
+    among the namespaces never routed)."""
+    return Settings(
+        args.scheduler_name,
+        config,
+        frozenset(args.trusted_user),
+        host_only_pods=args.host_only_pods,
+        host_only_exclude=HOST_ONLY_EXCLUDE | frozenset(args.host_only_exclude_namespace),
+    )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from scheduler_plugins.webhook.app import WebhookApp
     from scheduler_plugins.webhook.server import parse_listen, server_ssl_context
@@ -196,13 +208,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log.info("certificates", ca=str(pki.ca_cert), cert=str(cert))
     context = server_ssl_context(str(cert), str(key))
     config = load_config_file(args.config) if args.config else DeviceConfig()
-    settings = Settings(
-        args.scheduler_name,
-        config,
-        frozenset(args.trusted_user),
-        host_only_pods=args.host_only_pods,
-        host_only_exclude=HOST_ONLY_EXCLUDE | frozenset(args.host_only_exclude_namespace),
-    )
+    settings = serve_settings(args, config)
     kube = None
     if args.kubeconfig == IN_CLUSTER:
         kube = KubeClient.in_cluster()

@@ -17,9 +17,10 @@ Rules, in the order a user meets them:
   gets ``spec.schedulerName`` set to Tessera's; a pod naming another scheduler is left to it.
 - With ``Settings.host_only_pods`` (off by default), so does a pod that asks for no GPU,
   names no scheduler (or ``default-scheduler``), presets no ``spec.nodeName`` and is not in
-  one of ``Settings.host_only_exclude`` (``kube-system``; the CLI adds Tessera's own
-  namespace): Tessera places such pods under the fragmentation policy, so their CPU and
-  memory strand as little GPU capacity as possible. Nothing else is set on them.
+  one of ``Settings.host_only_exclude`` (``kube-system``; the chart adds Tessera's own
+  namespace, whose pods must not wait on the scheduler they are part of): Tessera places
+  such pods under the fragmentation policy, so their CPU and memory strand as little GPU
+  capacity as possible. Nothing else is set on them.
 - For Tessera's pods: each container that asks for memory or cores but not for a device
   count gets the config's default count (``nvidia.com/gpu: 1``) in its limits and requests;
   requests that no GPU could ever satisfy are refused (400): the same validation the

@@ -231,6 +231,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "deviceConfig": {"nvidia": {"nodeconfig": [{"name": "gpu-8", "operatingmode": "mps"}]}},
         "nodeAgent": {"mps": {"root": "/srv/mps", "checkIntervalSeconds": 2, "hostIPC": True}},
     },
+    "host-only-pods": {
+        "webhook": {"hostOnlyPods": {"enabled": True, "excludeNamespaces": ["monitoring"]}}
+    },
 }
 
 
@@ -699,19 +702,19 @@ def test_host_only_pods_turn_on_the_webhook_routing_and_the_plugin_asking(
     helm_bin: Path, default: Rendered
 ) -> None:
     """Off by default; on, the webhook routes pods without a GPU (never from the namespaces
-    it skips) and the scheduler plugin asks the server about them."""
+    it skips, those only routing skips, or the release namespace) and the scheduler plugin
+    asks the server about them."""
 
     def state(r: Rendered) -> tuple[list[str], object]:
         command = r.container(f"{fullname()}-scheduler", "webhook")["command"]
-        args = _scheduler_config(r)["profiles"][0]["pluginConfig"][1]["args"]
-        return [a for a in command if a.startswith("--host-only")], args["hostOnlyPods"]
+        return [a for a in command if a.startswith("--host-only")], _plugin_host_only(r)
 
     assert state(default) == ([], False)
     on = render(
         helm_bin,
         {
             "webhook": {
-                "hostOnlyPods": {"enabled": True},
+                "hostOnlyPods": {"enabled": True, "excludeNamespaces": ["monitoring", "ops"]},
                 "excludeNamespaces": ["kube-system", "ops"],
             }
         },
@@ -721,10 +724,24 @@ def test_host_only_pods_turn_on_the_webhook_routing_and_the_plugin_asking(
             "--host-only-pods",
             "--host-only-exclude-namespace=kube-system",
             "--host-only-exclude-namespace=ops",
+            "--host-only-exclude-namespace=monitoring",
             f"--host-only-exclude-namespace={NAMESPACE}",
         ],
         True,
     )
+    # The webhook still judges the GPU pods of a namespace that only routing skips.
+    hook = on.one("MutatingWebhookConfiguration", f"{fullname()}-webhook")["webhooks"][0]
+    selector = hook["namespaceSelector"]["matchExpressions"]
+    skipped = {"key": "kubernetes.io/metadata.name", "operator": "NotIn"}
+    assert {**skipped, "values": ["kube-system", "ops", NAMESPACE]} in selector
+    # Without the webhook nothing routes them, so the plugin is not told to expect them.
+    alone = render(helm_bin, {"webhook": {"enabled": False, "hostOnlyPods": {"enabled": True}}})
+    assert _plugin_host_only(alone) is False
+
+
+def _plugin_host_only(rendered: Rendered) -> object:
+    args = _scheduler_config(rendered)["profiles"][0]["pluginConfig"][1]["args"]
+    return args["hostOnlyPods"]
 
 
 # Values that must stop the render, and the message that says what to change.
@@ -788,6 +805,22 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         "MPS hostIPC that is not a boolean",
         {"nodeAgent": {"mps": {"hostIPC": "yes"}}},
         "nodeAgent.mps.hostIPC must be true or false, got yes",
+    ),
+    (
+        # A string would be true in the templates, whatever it says.
+        "hostOnlyPods.enabled that is not a boolean",
+        {"webhook": {"hostOnlyPods": {"enabled": "false"}}},
+        "webhook.hostOnlyPods.enabled must be true or false, got false",
+    ),
+    (
+        "hostOnlyPods.excludeNamespaces that is not a list",
+        {"webhook": {"hostOnlyPods": {"excludeNamespaces": "monitoring"}}},
+        "webhook.hostOnlyPods.excludeNamespaces must be a list of namespace names, got monitoring",
+    ),
+    (
+        "hostOnlyPods.excludeNamespaces naming no namespace",
+        {"webhook": {"hostOnlyPods": {"excludeNamespaces": ["kube-system", "Team_A"]}}},
+        'webhook.hostOnlyPods.excludeNamespaces: "Team_A" is not a namespace name',
     ),
 ]
 

@@ -15,8 +15,9 @@ import pytest
 from api.hami import keys as ann
 from api.kube.errors import ApiError, NotFoundError
 from scheduler_plugins.devtools.cluster.certs import ADMIN_USER
+from scheduler_plugins.devtools.cluster.stack import SCHEDULER_NAME
 from scheduler_plugins.devtools.cluster.testing import ClusterClient
-from scheduler_plugins.devtools.cluster.webhook import WEBHOOK
+from scheduler_plugins.devtools.cluster.webhook import WEBHOOK, start_webhook
 from scheduler_plugins.webhook.manifest import WEBHOOK_NAME
 
 pytestmark = pytest.mark.integration
@@ -187,3 +188,35 @@ def test_other_updates_do_not_reach_the_webhook(
     for judged in ours:
         assert judged["allowed"] is False
         assert f"annotation {ann.VGPU_NODE} is written only by Tessera" in judged["message"]
+
+
+@pytest.fixture
+def routing(dev_cluster: ClusterClient, webhook: str) -> Iterator[None]:
+    """The module's webhook (started first) restarted with ``--host-only-pods``; restarted
+    without after."""
+
+    def restart(*flags: str) -> None:
+        start_webhook(
+            dev_cluster.settings,
+            scheduler_name=SCHEDULER_NAME,
+            trusted_users=(),
+            timeout_s=60,
+            extra_args=flags,
+        )
+
+    restart("--host-only-pods", "--host-only-exclude-namespace=gpu-system")
+    try:
+        yield
+    finally:
+        restart()
+
+
+def test_pods_without_a_gpu_are_routed_to_tessera_when_asked(
+    dev_cluster: ClusterClient, created: list[dict[str, Any]], routing: None
+) -> None:
+    out = create(dev_cluster, created, pod("wh-cpu-routed", {"cpu": "1"}))
+    assert out["spec"]["schedulerName"] == "hami-scheduler"
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "1"}
+    assert "runtimeClassName" not in out["spec"]
+    other = create(dev_cluster, created, pod("wh-cpu-other", {"cpu": "1"}, schedulerName="volcano"))
+    assert other["spec"]["schedulerName"] == "volcano"

@@ -11,10 +11,12 @@ import pytest
 import structlog
 import yaml
 
-from scheduler_plugins.cli import main
+from api.hami.config import DeviceConfig
+from scheduler_plugins.cli import build_parser, main
 from scheduler_plugins.devtools.cluster.certs import Pki
 from scheduler_plugins.devtools.cluster.cluster import Cluster
 from scheduler_plugins.devtools.cluster.layout import ClusterSettings
+from scheduler_plugins.webhook.cli import serve_settings
 from scheduler_plugins.webhook.errors import WebhookSetupError
 from scheduler_plugins.webhook.manifest import (
     ServiceTarget,
@@ -150,11 +152,45 @@ def test_dev_apiserver_keeps_mutating_admission_webhooks(tmp_path: Path) -> None
     assert not any(a.startswith("--admission-control=") for a in argv)
 
 
-@pytest.mark.parametrize("name", ["Team_A", "", "a-", "a" * 64])
+@pytest.mark.parametrize("name", ["Team_A", "", "a-", "-a", "ops.team", "a" * 64])
 def test_a_bad_excluded_namespace_is_refused_by_name(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["webhook", "serve", "--host-only-pods", "--host-only-exclude-namespace", name])
+        main(["webhook", "serve", "--host-only-pods", f"--host-only-exclude-namespace={name}"])
     assert e.value.code == 2
     assert f"{name!r} is not a namespace name" in capsys.readouterr().err
+
+
+# `webhook serve` flags -> (host_only_pods, host_only_exclude) of the rules' settings.
+HOST_ONLY_FLAGS: list[tuple[str, list[str], bool, frozenset[str]]] = [
+    ("off by default", [], False, frozenset({"kube-system"})),
+    ("on", ["--host-only-pods"], True, frozenset({"kube-system"})),
+    (
+        "excluded namespaces add to kube-system",
+        [
+            "--host-only-pods",
+            "--host-only-exclude-namespace",
+            "gpu-system",
+            "--host-only-exclude-namespace=ops-2",
+            "--host-only-exclude-namespace=kube-system",
+        ],
+        True,
+        frozenset({"kube-system", "gpu-system", "ops-2"}),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "routes", "excluded"),
+    [c[1:] for c in HOST_ONLY_FLAGS],
+    ids=[c[0] for c in HOST_ONLY_FLAGS],
+)
+def test_host_only_flags_reach_the_rules_settings(
+    flags: list[str], routes: bool, excluded: frozenset[str]
+) -> None:
+    args = build_parser().parse_args(["webhook", "serve", "--trusted-user", "sa:ops", *flags])
+    settings = serve_settings(args, DeviceConfig())
+    assert (settings.host_only_pods, settings.host_only_exclude) == (routes, excluded)
+    assert settings.trusted_users == frozenset({"sa:ops"})
+    assert settings.scheduler_name == "hami-scheduler"

@@ -505,12 +505,22 @@ def test_update_may_not_alter_internal_annotations(
 
 
 ROUTING = Settings(host_only_pods=True, host_only_exclude=frozenset({"kube-system", "tessera"}))
+# What the device config would set on a GPU pod must not reach a routed pod.
+ROUTING_CONFIGURED = Settings(
+    config=DeviceConfig(runtime_class_name="nvidia", overwrite_env=True),
+    host_only_pods=True,
+)
 TO_TESSERA = (("add", "/spec/schedulerName", "hami-scheduler"),)
 
 
 def _cpu_pod(**spec: Any) -> dict[str, Any]:
     p = make_pod("web", "team-a").container("main", cpu="1").build()
     p["spec"].update(spec)
+    return p
+
+
+def _without_namespace(p: dict[str, Any]) -> dict[str, Any]:
+    del p["metadata"]["namespace"]
     return p
 
 
@@ -540,6 +550,27 @@ HOST_ONLY = [
         "zero GPUs: asks for none",
         ROUTING,
         make_pod("z", "team-a").gpu(0).build(),
+        "team-a",
+        TO_TESSERA,
+    ),
+    (
+        "namespace of the review, not of the pod",
+        ROUTING,
+        make_pod("y", "team-a").container("c", cpu="1").build(),
+        "tessera",
+        (),
+    ),
+    (
+        "no namespace anywhere: default, routed",
+        ROUTING,
+        _without_namespace(_cpu_pod()),
+        "",
+        TO_TESSERA,
+    ),
+    (
+        "scheduler name only: no runtime class, env or count",
+        ROUTING_CONFIGURED,
+        _cpu_pod(),
         "team-a",
         TO_TESSERA,
     ),
