@@ -210,7 +210,12 @@ def review_pod_update(
         return PodVerdict()
     before = _internal(old)
     after = _internal(new)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    # Present with a null value is present: taking such a key away is a removal.
+    changed = sorted(
+        k
+        for k in before.keys() | after.keys()
+        if k not in before or k not in after or before[k] != after[k]
+    )
     return PodVerdict(
         forbidden=tuple(
             f"annotation {k} is written only by Tessera's scheduler and node agent: "

@@ -433,8 +433,22 @@ def test_pointer_escapes_slash_and_tilde() -> None:
 # ----- updates of existing pods ---------------------------------------------------------------
 
 ALLOCATED = "GPU-0,NVIDIA,1000,0:;"
-UPDATES: list[tuple[str, dict[str, str], dict[str, str], str, tuple[str, ...]]] = [
+UPDATES: list[tuple[str, dict[str, Any], dict[str, Any], str, tuple[str, ...]]] = [
     # (name, old internal/other annotations, new ones, user, forbidden keys with their verb)
+    (
+        "removing one whose value is null",
+        {ann.BIND_PHASE: None},
+        {},
+        "alice",
+        (f"{ann.BIND_PHASE}: alice may not remove",),
+    ),
+    (
+        "adding one whose value is null",
+        {},
+        {ann.BIND_PHASE: None},
+        "alice",
+        (f"{ann.BIND_PHASE}: alice may not add",),
+    ),
     (
         "nothing internal changes",
         {ann.BIND_PHASE: "success"},
@@ -485,7 +499,7 @@ UPDATES: list[tuple[str, dict[str, str], dict[str, str], str, tuple[str, ...]]] 
     ("old", "new", "user", "forbidden"), [u[1:] for u in UPDATES], ids=[u[0] for u in UPDATES]
 )
 def test_update_may_not_alter_internal_annotations(
-    old: dict[str, str], new: dict[str, str], user: str, forbidden: tuple[str, ...]
+    old: dict[str, Any], new: dict[str, Any], user: str, forbidden: tuple[str, ...]
 ) -> None:
     settings = Settings(trusted_users=frozenset({"restore-tool"}))
     before = make_pod("p").gpu(1).build()
