@@ -60,7 +60,7 @@ from api.hami.register import GpuDevice
 from scheduler_plugins.core import fragmentation as frag
 from scheduler_plugins.core import hostfit, rules
 from scheduler_plugins.core.decide import decide
-from scheduler_plugins.core.hostonly import place_host_only
+from scheduler_plugins.core.hostonly import allocation, place_host_only
 from scheduler_plugins.core.requests import ContainerRequest, PodAllocation, PodRequest
 from scheduler_plugins.core.rules import HostAmounts
 from scheduler_plugins.core.state import ClusterState
@@ -312,7 +312,7 @@ class Engine:
             node = place_host_only(self.state, req).best()
             if node is None:
                 raise AssertionError(f"the engine finds no node for {pod} where {cand.size} fit")
-            self.state.assume(PodAllocation(req.key, node, (), (), pod.cpu, pod.memory))
+            self.state.assume(allocation(req, node))
             return self._checked(node, pod, cand), []
         decision = decide(self.state, req)
         node = decision.best_node()

@@ -45,10 +45,9 @@ from scheduler_plugins.core.binding import bind_annotations
 from scheduler_plugins.core.decide import decide
 from scheduler_plugins.core.explain import explain, explain_host
 from scheduler_plugins.core.hostfit import place
-from scheduler_plugins.core.hostonly import place_host_only, wants_placing
+from scheduler_plugins.core.hostonly import allocation, place_host_only, wants_placing
 from scheduler_plugins.core.nodes import parse_node
 from scheduler_plugins.core.requests import (
-    PodAllocation,
     PodRequest,
     counts_against_capacity,
     parse_allocation,
@@ -343,6 +342,7 @@ class Simulation:
             )
         else:
             d = placement.decision
+            assert d is not None  # the GPU nodes were ranked: no node without GPUs had room
             i = d.node_index(node)
             delta = float(d.delta[i]) if d.delta is not None else 0.0
             reason = (
@@ -357,18 +357,7 @@ class Simulation:
     def _count_host(self, req: PodRequest, node: str) -> None:
         """A pod without a GPU request placed on ``node``: its CPU and memory count there."""
         if req.cpu_milli > 0 or req.memory_bytes > 0:
-            self._state.assume(
-                PodAllocation(
-                    req.key,
-                    node,
-                    (),
-                    (),
-                    req.cpu_milli,
-                    req.memory_bytes,
-                    uid=req.uid,
-                    priority=req.priority,
-                )
-            )
+            self._state.assume(allocation(req, node))
 
     def _unschedulable(self, req: PodRequest, why: str, nodes: Iterable[str]) -> Result:
         """``req`` fits no node (``why``), with whom preemption would preempt for it on

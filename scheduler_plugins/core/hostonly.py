@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from scheduler_plugins.core import hostfit, ranking
 from scheduler_plugins.core.decide import Decision, decide
-from scheduler_plugins.core.requests import PodRequest
+from scheduler_plugins.core.requests import PodAllocation, PodRequest
 from scheduler_plugins.core.state import ClusterState
 
 I64 = npt.NDArray[np.int64]
@@ -35,15 +35,18 @@ I64 = npt.NDArray[np.int64]
 
 @dataclass(frozen=True)
 class HostOnlyPlacement:
-    """Every node where the pod fits, best first (``names``), with Tessera's 0..100 score of
-    each (``scores``). ``gpu_less``: how many of the first names have no GPU. ``decision``:
-    the GPU nodes' verdicts (why a GPU node scored as it did); ``bare``: kube-scheduler's view
-    of the nodes without GPUs (why none of them fits)."""
+    """The nodes where the pod fits, best first (``names``), with Tessera's 0..100 score of
+    each (``scores``); ``fitting``: how many nodes fit in all (more than ``names`` when the
+    GPU nodes were not ranked: a node without GPUs had room and only the best was asked
+    for). ``gpu_less``: how many of the first names have no GPU. ``decision``: the GPU
+    nodes' verdicts when they were ranked (why a GPU node scored as it did); ``bare``:
+    kube-scheduler's view of the nodes without GPUs (why none of them fits)."""
 
     names: tuple[str, ...]
     scores: tuple[int, ...]
+    fitting: int
     gpu_less: int
-    decision: Decision
+    decision: Decision | None
     bare: hostfit.HostPlacement
 
     def best(self) -> str | None:
@@ -62,17 +65,37 @@ def wants_placing(req: PodRequest) -> bool:
     return req.wants_gpu or req.fragmentation
 
 
-def place_host_only(state: ClusterState, req: PodRequest) -> HostOnlyPlacement:
-    """``HostOnlyPlacement`` of ``req`` (a pod without a GPU request) on ``state``."""
+def allocation(req: PodRequest, node: str) -> PodAllocation:
+    """What a pod without a GPU request holds on ``node``: its CPU and memory."""
+    return PodAllocation(
+        req.key, node, (), (), req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
+    )
+
+
+def place_host_only(
+    state: ClusterState, req: PodRequest, *, every: bool = True
+) -> HostOnlyPlacement:
+    """``HostOnlyPlacement`` of ``req`` (a pod without a GPU request) on ``state``. Without
+    ``every`` (only the best node is wanted), the GPU nodes are ranked only when no node
+    without GPUs has room: ranking them is a whole fragmentation decision."""
     if req.wants_gpu:
         raise ValueError(f"pod {req.key} asks for a GPU: decide() places it")
-    decision = decide(state, req)
-    bare = hostfit.place(state, req.cpu_milli, req.memory_bytes, decision.layout.gpu_less)
+    layout = state.layout()
+    bare = hostfit.place(state, req.cpu_milli, req.memory_bytes, layout.gpu_less)
     fits = np.flatnonzero(bare.fits)
     total = bare.least[fits] + bare.balanced[fits]
     bare_names = [bare.names[i] for i in fits.tolist()]
     # Highest score first, then the name (kube-scheduler breaks exact ties at random).
-    bare_order = sorted(range(len(bare_names)), key=lambda j: (-int(total[j]), bare_names[j]))
+    names = tuple(
+        bare_names[j]
+        for j in sorted(range(len(bare_names)), key=lambda j: (-int(total[j]), bare_names[j]))
+    )
+    scores = (ranking.MAX_SCORE,) * len(names)
+    if bare_names and not every:
+        on_gpu_nodes = hostfit.place(state, req.cpu_milli, req.memory_bytes, layout.names)
+        fitting = len(names) + int(np.count_nonzero(on_gpu_nodes.fits))
+        return HostOnlyPlacement(names, scores, fitting, len(names), None, bare)
+    decision = decide(state, req)
     segs = ranking.order(
         np.flatnonzero(decision.feasible),
         decision.score,
@@ -80,11 +103,9 @@ def place_host_only(state: ClusterState, req: PodRequest) -> HostOnlyPlacement:
         decision.layout.name_rank,
     )
     gpu_scores: I64 = decision.preference.kube_scores(decision.score[segs])
-    names = tuple(bare_names[j] for j in bare_order) + tuple(
-        str(decision.layout.names[s]) for s in segs.tolist()
-    )
-    scores = (ranking.MAX_SCORE,) * len(bare_names) + tuple(int(s) for s in gpu_scores.tolist())
-    return HostOnlyPlacement(names, scores, len(bare_names), decision, bare)
+    names += tuple(str(decision.layout.names[s]) for s in segs.tolist())
+    scores += tuple(int(s) for s in gpu_scores.tolist())
+    return HostOnlyPlacement(names, scores, len(names), len(bare_names), decision, bare)
 
 
-__all__ = ["HostOnlyPlacement", "place_host_only", "wants_placing"]
+__all__ = ["HostOnlyPlacement", "allocation", "place_host_only", "wants_placing"]

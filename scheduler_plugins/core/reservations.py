@@ -39,7 +39,7 @@ from api.errors import TesseraError
 from api.hami import keys as ann
 from api.hami.matching import interchange_key
 from api.kube.errors import ConflictError, KubeError, NotFoundError, TemporaryError
-from scheduler_plugins.core import ranking
+from scheduler_plugins.core import hostonly, ranking
 from scheduler_plugins.core.binding import bind_annotations, bind_labels
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.core.decide import Decision, PodPlan, decide
@@ -317,12 +317,12 @@ class Reservations:
         why, and its preemption may make room (the server then leaves the pod to it)."""
         with self._spans.span("decide"), self._cache.lock:
             started, cpu_started = self._clock(), self._cpu_clock()
-            placement = place_host_only(self._cache.state, req)
+            placement = place_host_only(self._cache.state, req, every=not limit)
             names, scores = placement.offered(limit)
             wall_s, cpu_s = self._clock() - started, self._cpu_clock() - cpu_started
             decision_id = next(self._ids)
             _put(self._requests, ident, (decision_id, req))
-        total = len(placement.names)
+        total = placement.fitting
         return Offer(
             decision_id=decision_id,
             nodes=names,
@@ -434,10 +434,7 @@ class Reservations:
         self._refuse_bound(key)
         if node not in self._cache.state.nodes:
             raise ScheduleAgain(f"node {node} of pod {key} is not known here (yet)")
-        alloc = PodAllocation(
-            key, node, (), (), req.cpu_milli, req.memory_bytes, uid=req.uid, priority=req.priority
-        )
-        self._cache.assume(alloc, frozenset(), None)
+        self._cache.assume(hostonly.allocation(req, node), frozenset(), None)
         self._on_reserved(key)
         self._reserved_as[key] = ident  # dropped with the request once the pod is bound
         log.info("reserved", pod=key, node=node, handed_over=False, gpu=False)

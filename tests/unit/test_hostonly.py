@@ -131,3 +131,13 @@ def test_memory_counts_too() -> None:
     pod["spec"]["containers"][0]["resources"] = {"requests": {"memory": "100Gi"}}
     p = place_host_only(st, parse_request(pod, FRAG))
     assert p.names == ()
+
+
+def test_only_the_best_wanted_skips_ranking_gpu_nodes_while_a_bare_node_has_room() -> None:
+    st = cluster(a=(2, 16000), b=(2, 16000), cpu=(0, 16000))
+    lazy = place_host_only(st, cpu_pod("p", "1"), every=False)
+    assert lazy.decision is None and lazy.names == ("cpu",) and lazy.fitting == 3
+    assert lazy.offered(8) == place_host_only(st, cpu_pod("p", "1")).offered(8)
+    hold(st, "cpu", 16000, "x/busy")  # no room off the GPU nodes: they are ranked after all
+    ranked = place_host_only(st, cpu_pod("p", "1"), every=False)
+    assert ranked.decision is not None and set(ranked.names) == {"a", "b"}
