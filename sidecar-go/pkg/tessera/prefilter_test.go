@@ -154,6 +154,34 @@ func TestAPodWithoutAGPUGoesOnWithoutAnUnreachableServer(t *testing.T) {
 	}
 }
 
+// A failed Reserve of a pod without a GPU (the server's view behind kube-scheduler's) does not
+// stop its binding: kube-scheduler checked its CPU and memory.
+func TestAPodWithoutAGPUIsBoundWhateverItsReserveAnswered(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	pod := makePod("cpu").annotate(nodePolicyAnnotation, "fragmentation").obj()
+	ctx, state := context.Background(), newState()
+	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	fake.set(func(s *fakeServer) { s.err = status.Error(codes.Aborted, "node n1 no longer fits") })
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v, want Success", st)
+	}
+	if _, st := p.PreBindPreFlight(ctx, state, pod, "n1"); st.Code() != fwk.Skip {
+		t.Errorf("PreBindPreFlight = %v, want Skip", st)
+	}
+	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Errorf("PreBind = %v, want Success", st)
+	}
+	if st := p.Bind(ctx, state, pod, "n1"); st.Code() != fwk.Skip {
+		t.Errorf("Bind = %v, want Skip (DefaultBinder's)", st)
+	}
+	if n := fake.count("Reserve"); n != 1 {
+		t.Errorf("Reserve RPCs = %d, want 1", n)
+	}
+}
+
 func TestPreFilterDecisionServesFilterAndScoreWithoutFurtherRPC(t *testing.T) {
 	fake, p := startFake(t, nil)
 	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
