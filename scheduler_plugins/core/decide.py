@@ -1826,20 +1826,35 @@ def _fragmentation_scores(
 
 class _FragRows:
     """What the fragmentation policy reads of every row of one table, kept with the table
-    between decisions (for one workload ``mix``) and recomputed only in the rows of nodes
-    pods changed since (``ClusterState.usage_changes_since``: their GPUs, CPU or memory):
-    each GPU's free share, ``fragmentation.parts``, and per kind of request (its devices,
-    CPU, memory and GPU selectors) the delta of its best placement on each row."""
+    between decisions and recomputed only in the rows of nodes pods changed since
+    (``ClusterState.usage_changes_since``: their GPUs, CPU or memory): each GPU's free share,
+    ``fragmentation.parts``, and per kind of request (its devices, CPU, memory and GPU
+    selectors) the delta of its best placement on each row.
+
+    A new workload mix reaches the rows gradually: the rows pods change move to it at once,
+    and ``ROLL_DECISIONS`` decisions move the rest, so no decision recomputes every row
+    because the mix moved. Until a row moves, its parts and deltas are those of the mix
+    before (a node's delta is a difference of fragmentations under one mix; nodes under two
+    mixes a few percent apart compare as under either). A mix newer still waits until every
+    row has moved: two mixes at most."""
 
     _MAX_KINDS = 64
+    ROLL_DECISIONS = 32
 
     def __init__(self, mix: frag.TaskMix, clock: int, free: F64, parts: frag.Parts) -> None:
-        self.mix = mix
         self.clock = clock
         self.free = free
-        self.parts = parts
         self.free_share = frag.pack_key(free)  # [P] the node's mean free share
-        self._deltas: dict[tuple[Any, ...], tuple[int, F64]] = {}
+        self.newest = 0  # generation of the newest mix
+        self.mixes: dict[int, tuple[frag.TaskMix, frag.Parts]] = {0: (mix, parts)}
+        self.row_gen = np.zeros(free.shape[0], np.int64)  # [P] the mix each row is under
+        # per kind of request: the usage clock and row generations it was computed at
+        self._deltas: dict[tuple[Any, ...], tuple[int, I64, F64]] = {}
+
+    @property
+    def mix(self) -> frag.TaskMix:
+        """The newest mix (the one rows move to)."""
+        return self.mixes[self.newest][0]
 
     @staticmethod
     def of(
@@ -1852,27 +1867,78 @@ class _FragRows:
         mix: frag.TaskMix,
         owned: bool,
     ) -> _FragRows:
-        """The table's rows as they are now (kept in its memo when ``owned``)."""
+        """The table's rows as they are now (kept in its memo when ``owned``), rows moved
+        towards ``mix``."""
         memo: dict[Any, Any] = table.scratch.memo if owned else {}
         clock = state.usage_clock
         kept: _FragRows | None = memo.get("frag_rows")
-        if kept is not None and kept.mix is mix:
+        if kept is not None:
             rows = _changed_rows(state, layout, table, kept.clock)
             if rows is not None:
+                kept._adopt(mix)
                 if rows.size:
                     free = _free_rows(state, table, masks, request, mode, rows)
                     kept.free[rows] = free
-                    fresh = frag.parts(free, mix)
-                    kept.parts.total[rows] = fresh.total
-                    kept.parts.small[rows] = fresh.small
-                    kept.parts.room[rows] = fresh.room
                     kept.free_share[rows] = frag.pack_key(free)
+                    kept._move(rows)
+                kept._roll()
                 kept.clock = clock
                 return kept
         free = _free_rows(state, table, masks, request, mode, None)
         kept = _FragRows(mix, clock, free, frag.parts(free, mix))
         memo["frag_rows"] = kept
         return kept
+
+    def _adopt(self, mix: frag.TaskMix) -> None:
+        """Start moving rows to ``mix`` (unless they are all on it, or still moving)."""
+        if mix is self.mix or len(self.mixes) > 1:
+            return
+        p, k = self.row_gen.size, len(mix.weight)
+        parts = self.mixes[self.newest][1]
+        if not np.array_equal(mix.share, self.mix.share):  # parts depend on the shares alone
+            parts = frag.Parts(np.zeros(p), np.zeros((p, k)), np.zeros((p, k)))
+        self.newest += 1
+        self.mixes[self.newest] = (mix, parts)
+
+    def _move(self, rows: I64) -> None:
+        """``rows``' parts under the newest mix (their ``free`` up to date)."""
+        mix, parts = self.mixes[self.newest]
+        fresh = frag.parts(self.free[rows], mix)
+        parts.total[rows] = fresh.total
+        parts.small[rows] = fresh.small
+        parts.room[rows] = fresh.room
+        self.row_gen[rows] = self.newest
+
+    def _roll(self) -> None:
+        """Move the next rows still under an older mix; forget that mix once none is."""
+        if len(self.mixes) == 1:
+            return
+        behind = np.flatnonzero(self.row_gen != self.newest)
+        step = -(-self.row_gen.size // self.ROLL_DECISIONS)
+        if behind.size and self._shared_parts():  # the same kinds reweighed
+            self.row_gen[behind[:step]] = self.newest
+        elif behind.size:
+            self._move(behind[:step])
+        if behind.size <= step:
+            self.mixes = {self.newest: self.mixes[self.newest]}
+
+    def _shared_parts(self) -> bool:
+        return all(p is self.mixes[self.newest][1] for _, p in self.mixes.values())
+
+    def groups(self, at: I64) -> list[tuple[B | None, frag.TaskMix, frag.Parts]]:
+        """``at``'s rows by the mix they are under: (which of ``at`` or None for all, the
+        mix, its parts at those rows)."""
+        if len(self.mixes) == 1:
+            mix, p = self.mixes[self.newest]
+            return [(None, mix, frag.Parts(p.total[at], p.small[at], p.room[at]))]
+        gens = self.row_gen[at]
+        out: list[tuple[B | None, frag.TaskMix, frag.Parts]] = []
+        for g, (mix, p) in self.mixes.items():
+            sel = gens == g
+            if sel.any():
+                rows = at[sel]
+                out.append((sel, mix, frag.Parts(p.total[rows], p.small[rows], p.room[rows])))
+        return out
 
     def deltas(
         self,
@@ -1904,11 +1970,16 @@ class _FragRows:
             d = _row_deltas(state, table, masks, request, mode, ctx, self, None)
             if len(self._deltas) >= self._MAX_KINDS:
                 self._deltas.clear()
+            gens = self.row_gen.copy()
         else:
-            d = found[1]
+            _, gens, d = found
+            moved = np.flatnonzero(gens != self.row_gen)  # rows that moved to a newer mix
+            if moved.size:
+                rows = np.union1d(rows, moved)
+                gens[moved] = self.row_gen[moved]
             if rows.size:
                 d[rows] = _row_deltas(state, table, masks, request, mode, ctx, self, rows)
-        self._deltas[key] = (state.usage_clock, d)
+        self._deltas[key] = (state.usage_clock, gens, d)
         return d
 
 
@@ -1971,25 +2042,39 @@ def _row_deltas(
     kept: _FragRows,
     rows: I64 | None,
 ) -> F64:
-    """The delta of the pod's placement on ``rows`` of ``table`` (inf where it has no room)."""
+    """The delta of the pod's placement on ``rows`` of ``table`` (all when None; inf where it
+    has no room), each row under the mix its parts are (``_FragRows.groups``)."""
     path, at = _sub_path(state, table, masks, request, mode, rows)
     nodes = table.nodes[at]
     free = kept.free[at]
-    here = frag.Parts(kept.parts.total[at], kept.parts.small[at], kept.parts.room[at])
     cpu, mem = ctx.cpu_left[nodes], ctx.mem_left[nodes]
     c = request.containers[0] if request.containers else None
+    pod = ctx.shape
     if c is None:  # only the CPU and memory change
-        pod = ctx.shape
-        before = frag.fragmentation(free, cpu, mem, ctx.mix, here)
-        after = frag.fragmentation(free, cpu - pod.cpu_milli, mem - pod.memory_bytes, ctx.mix, here)
-        out: F64 = after - before
-        return out
-    cols = path._core_columns(None)
-    fit, req_mem, _ = path._core_fit(c, cols, work=False)
-    take = _Frag.take(cols, req_mem, c)
-    if c.count == 1:
-        return frag.node_deltas(free, cpu, mem, ctx.mix, ctx.shape, fit, take, here).delta
-    return frag.placement_delta(free, cpu, mem, ctx.mix, ctx.shape, fit, take, here).delta
+
+        def one(sel: Any, mix: frag.TaskMix, here: frag.Parts) -> F64:
+            f, cl, ml = free[sel], cpu[sel], mem[sel]
+            before = frag.fragmentation(f, cl, ml, mix, here)
+            after = frag.fragmentation(f, cl - pod.cpu_milli, ml - pod.memory_bytes, mix, here)
+            out: F64 = after - before
+            return out
+
+    else:
+        cols = path._core_columns(None)
+        fit, req_mem, _ = path._core_fit(c, cols, work=False)
+        take = _Frag.take(cols, req_mem, c)
+        place = frag.node_deltas if c.count == 1 else frag.placement_delta
+
+        def one(sel: Any, mix: frag.TaskMix, here: frag.Parts) -> F64:
+            return place(free[sel], cpu[sel], mem[sel], mix, pod, fit[sel], take[sel], here).delta
+
+    groups = kept.groups(at)
+    if len(groups) == 1:
+        return one(slice(None), groups[0][1], groups[0][2])
+    out = np.empty(at.size)
+    for sel, mix, here in groups:
+        out[sel] = one(sel, mix, here)
+    return out
 
 
 def _node_scores(state: ClusterState, layout: Layout) -> F64:

@@ -35,6 +35,7 @@ Pure: numpy arrays in, numpy arrays out; no cluster state, no clock.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ MAX_KINDS: Final = 48
 """At most this many kinds (the cost of a decision grows with them)."""
 
 _EPS: Final = 1e-9
+
+_ROW_SUMS: Final = 200
+"""From this many nodes on, ``node_deltas`` sums kinds a row of nodes at a time."""
 
 
 @dataclass(frozen=True, order=True)
@@ -117,28 +121,52 @@ DEFAULT_MIX: Final = TaskMix(np.zeros(1), np.zeros(1), np.ones(1), np.ones(1), n
 
 
 MIX_DRIFT: Final = 0.02
-"""A rebuilt mix with the same kinds replaces the one in use only once their weights differ by
-this much (total variation: half the sum of the weights' differences)."""
+"""A rebuilt mix replaces the one in use only once it is this far from it (``drift``), and
+at least as far as the rebuilt one's own uncertainty (``mix_noise``)."""
+
+
+def mix_noise(pods: int) -> float:
+    """How far a mix counted from ``pods`` GPU pods may be from the workload's by chance:
+    about 1/sqrt(pods) in total variation (1.0 with none)."""
+    return 1.0 / math.sqrt(pods) if pods > 0 else 1.0
+
+
+def _kinds(mix: TaskMix) -> dict[tuple[float, float, float, float], float]:
+    return {
+        (c, m, g, s): w
+        for c, m, g, s, w in zip(
+            mix.cpu.tolist(),
+            mix.memory.tolist(),
+            mix.gpus.tolist(),
+            mix.share.tolist(),
+            mix.weight.tolist(),
+            strict=True,
+        )
+    }
+
+
+def _shapes(mix: TaskMix) -> frozenset[Shape]:
+    if mix is DEFAULT_MIX:
+        return frozenset()
+    return frozenset(Shape(int(c), int(m), int(g), s) for c, m, g, s in _kinds(mix))
 
 
 def drift(a: TaskMix, b: TaskMix) -> float:
-    """How far ``b``'s weights are from ``a``'s (total variation); 1.0 when the kinds differ."""
-    if a.weight.shape != b.weight.shape or not all(
-        np.array_equal(x, y)
-        for x, y in ((a.cpu, b.cpu), (a.memory, b.memory), (a.gpus, b.gpus), (a.share, b.share))
-    ):
-        return 1.0
-    return float(np.abs(a.weight - b.weight).sum() / 2)
+    """How far ``b``'s weights are from ``a``'s: total variation over both mixes' kinds (a
+    kind one of them leaves out weighs 0 there)."""
+    wa, wb = _kinds(a), _kinds(b)
+    return sum(abs(wa.get(k, 0.0) - wb.get(k, 0.0)) for k in wa.keys() | wb.keys()) / 2
 
 
 class KindCounts:
     """The kinds of pods held, counted as they come and go (a cluster state keeps one).
     ``mix`` is rebuilt when a kind appears or goes, and else once the counts moved by a
     hundredth (at least ``_REWEIGH`` pods) since the last build; the rebuilt mix replaces the
-    one in use only when its kinds differ or its weights drifted by ``MIX_DRIFT``. What the
-    policy keeps per node is computed for one mix (a new mix recomputes every node), so
-    neither a burst of pods of known kinds nor a rare kind outside the mix does that per
-    pod."""
+    one in use when a kind of that one is held no more, or when it is ``MIX_DRIFT`` away and
+    farther than chance (``mix_noise`` of the GPU pods held). What the policy keeps per node
+    is computed for one mix (a new mix moves every node to it), so neither a burst of pods of
+    known kinds, nor a rare kind outside the mix, nor the noise of a young cluster's few pods
+    does that per pod."""
 
     _REWEIGH: Final = 16
 
@@ -147,8 +175,10 @@ class KindCounts:
         self._counts: Counter[Shape] = Counter()
         self._moved = 0
         self._held = 0
+        self._gpu_held = 0
         self._kinds_changed = False
         self._mix: TaskMix = DEFAULT_MIX
+        self._mix_kinds: frozenset[Shape] = frozenset()
 
     def add(self, cpu_milli: int, memory_bytes: int, gpus: int, share: float, sign: int) -> None:
         shape = pod_shape(cpu_milli, memory_bytes, gpus, share)
@@ -160,13 +190,16 @@ class KindCounts:
             self._kinds_changed = True
             del self._counts[shape]
         self._held += sign
+        self._gpu_held += sign if shape.gpus else 0
         self._moved += 1
 
     def mix(self) -> TaskMix:
         if self._kinds_changed or self._moved >= max(self._REWEIGH, self._held // 100):
             fresh = TaskMix.of(self._counts, self._coverage)
-            if drift(self._mix, fresh) >= MIX_DRIFT:
+            gone = any(k not in self._counts for k in self._mix_kinds)
+            if gone or drift(self._mix, fresh) >= max(MIX_DRIFT, mix_noise(self._gpu_held)):
                 self._mix = fresh
+                self._mix_kinds = _shapes(fresh)
             self._moved = 0
             self._kinds_changed = False
         return self._mix
@@ -296,9 +329,11 @@ def node_deltas(
     f' more too small). With the kinds by share, each GPU's F after is three ranges of
     per-node prefix sums, [N, kinds] work instead of [N, W, kinds]. ``node_parts``: ``parts``
     of ``free`` when the caller keeps them."""
-    n = free.shape[0]
-    f = np.nan_to_num(free, nan=-1.0)
-    share = np.broadcast_to(np.asarray(pod.share if take is None else take, np.float64), f.shape)
+    n, w = free.shape
+    f = np.nan_to_num(free, nan=-1.0).ravel()  # per GPU, flat: no [N, 1] broadcasts below
+    share = np.broadcast_to(
+        np.asarray(pod.share if take is None else take, np.float64), free.shape
+    ).ravel()
     p = parts(free, mix) if node_parts is None else node_parts
     wk = mix.weight[:, None]
     k = len(mix.weight)
@@ -317,19 +352,22 @@ def node_deltas(
     np.multiply(wk, np.where(h_b, small, total), out=terms[2, 1:])
     np.multiply(wk, ~h_b, out=terms[3, 1:])
     np.multiply(wk, h_b, out=terms[4, 1:])
-    for j in range(1, k + 1):  # the prefix sums, a row of nodes at a time (cumsum is strided)
-        terms[:, j] += terms[:, j - 1]
-    pre = terms.ravel()
+    if n < _ROW_SUMS:
+        np.cumsum(terms, axis=1, out=terms)
+    else:  # a row of nodes at a time: cumsum's inner loop would stride across nodes
+        for j in range(1, k + 1):
+            terms[:, j] += terms[:, j - 1]
+    pre = terms.reshape(5, -1)
     pw = np.concatenate(([0.0], np.cumsum(mix.weight)))
     thresholds = mix.share - _EPS
     left = f - share
+    node = np.repeat(np.arange(n), w)
     i1 = np.searchsorted(thresholds, left, side="right")  # kinds the GPU still fits after
     i2 = np.searchsorted(thresholds, f, side="right")  # kinds it fits before
-    col = np.arange(n)[:, None]
-    stride = (k + 1) * n
-    a0_1, a1_1, b0_1, b1_1, b2_1 = (pre[t * stride + i1 * n + col] for t in range(5))
-    a0_2, _, b0_2, b1_2, b2_2 = (pre[t * stride + i2 * n + col] for t in range(5))
-    a0_k = pre[k * n + col]
+    at1, at2 = i1 * n + node, i2 * n + node
+    a0_1, a1_1, b0_1, b1_1, b2_1 = (np.take(pre[t], at1) for t in range(5))
+    a0_2, b0_2, b1_2, b2_2 = (np.take(pre[t], at2) for t in (0, 2, 3, 4))
+    a0_k = pre[0, k * n :][node]
     after = (
         a0_1
         - share * a1_1
@@ -339,8 +377,8 @@ def node_deltas(
         + (a0_k - a0_2)
         - share * (pw[k] - pw[i2])
     )
-    before = _stranded(p, cpu_left, mem_left, mix)
-    each = np.where(room, after - before[:, None], np.inf)
+    after -= _stranded(p, cpu_left, mem_left, mix)[node]
+    each = np.where(room.ravel(), after, np.inf).reshape(n, w)
     col = last_min(each)
     d = each[np.arange(n), col]
     return Delta(d, np.where(np.isfinite(d), col, -1)[:, None].astype(np.int64))
@@ -464,6 +502,7 @@ __all__ = [
     "fragmentation",
     "free_share",
     "last_min",
+    "mix_noise",
     "node_deltas",
     "node_score",
     "pack_key",

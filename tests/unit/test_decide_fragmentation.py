@@ -223,3 +223,43 @@ def test_a_nodes_new_allocatable_reaches_the_kept_rows() -> None:
     # a now shows 8 cores, 4 left: after q, 1, and its last GPU stranded for 3-core pods
     st.upsert_node("a", four["a"][0], cpu_milli=8000, memory_bytes=64 << 30)
     assert decide(st, request("q", 100, cpu="3")).best_node() == "b"
+
+
+def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new workload mix never recomputes every kept row in one decision: the rows pods
+    changed move to it at once, the rest a few per decision; once every row has moved, the
+    scores are those of a fresh computation under the new mix."""
+    names = [f"n{i:03d}" for i in range(128)]
+    st = state(**{n: (three_gpus(n), 64000) for n in names})
+    for n in names[:4]:
+        st.assume(_held(n, f"{n}-0", 500, 50, 1000))
+    req = request("q", 30)
+    decide(st, req)  # rows kept under a mix of half-GPU pods
+    first = st.task_mix()
+    for i in range(6):  # a new kind, most of what is held now, on two nodes
+        n = names[100 + i % 2]
+        st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000))
+    assert st.task_mix() is not first
+    recomputed: list[int] = []
+    real = fr.node_deltas
+
+    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> fr.Delta:
+        recomputed.append(free.shape[0])
+        return real(free, *args, **kwargs)
+
+    monkeypatch.setattr(fr, "node_deltas", counted)
+    step = -(-len(names) // 32)
+    for _ in range(32):
+        recomputed.clear()
+        d = decide(st, req)
+        assert 0 < sum(recomputed) <= 2 + step  # the two changed nodes, then a step of rows
+    recomputed.clear()
+    d = decide(st, req)
+    assert recomputed == []  # every row moved: nothing left to recompute
+    layout = st.layout()
+    assert layout.scratch.acquire()
+    try:
+        want = decide(st, req)
+    finally:
+        layout.scratch.release()
+    assert d.score.tolist() == pytest.approx(want.score.tolist())

@@ -238,6 +238,18 @@ def test_node_deltas_are_the_best_gpus(
         at = int(got.columns[i, 0])
         assert each[i, at] == pytest.approx(best[i], abs=1e-9)
         assert not (each[i, at + 1 :] <= best[i] - 1e-12).any()
+    # many nodes are summed another way (a row of nodes at a time): the same answers
+    reps = -(-fr._ROW_SUMS // len(cpu))
+    many = fr.node_deltas(
+        np.tile(free, (reps, 1)),
+        np.tile(cpu, reps),
+        np.tile(mem, reps),
+        mix,
+        pod,
+        np.tile(room, (reps, 1)),
+    )
+    assert many.delta.tolist() == pytest.approx(np.tile(got.delta, reps).tolist(), abs=1e-9)
+    assert many.columns.tolist() == np.tile(got.columns, (reps, 1)).tolist()
 
 
 @pytest.mark.parametrize(
@@ -257,34 +269,63 @@ def test_what_a_pod_holds_is_always_a_shape(
 
 
 def test_a_mix_that_barely_moved_is_kept_so_kept_rows_stay_valid() -> None:
-    """Rows kept per node are computed for one mix object: a rebuild whose kinds are the same
-    and whose weights moved less than ``MIX_DRIFT`` keeps the one in use; a real shift or a
-    new kind in the mix replaces it."""
+    """Rows kept per node are computed for one mix object: a rebuild whose weights moved less
+    than ``MIX_DRIFT`` keeps the one in use; a real shift, or a new kind once it weighs that
+    much, replaces it."""
     kinds = fr.KindCounts()
-    for _ in range(50):
+    for _ in range(500):
         kinds.add(1000, 0, 1, 0.5, +1)
         kinds.add(2000, 0, 1, 0.25, +1)
     first = kinds.mix()
-    for _ in range(16):  # a reweigh is due; 66:50 vs 50:50 is a drift of 0.07
+    for _ in range(160):  # a reweigh is due; 660:500 vs 500:500 is a drift of 0.07
         kinds.add(1000, 0, 1, 0.5, +1)
     shifted = kinds.mix()
     assert shifted is not first and fr.drift(first, shifted) >= fr.MIX_DRIFT
-    for _ in range(8):  # 66:58 vs 66:50
+    for _ in range(8):  # 660:508 vs 660:500
         kinds.add(2000, 0, 1, 0.25, +1)
     for _ in range(8):
         kinds.add(2000, 0, 1, 0.25, -1)
     assert kinds.mix() is shifted  # moved 16 and back: the same weights
     kinds.add(3000, 0, 1, 1.0, +1)  # a new kind, within the 5 % the mix leaves out
     assert kinds.mix() is shifted
-    for _ in range(30):
+    for _ in range(15):  # 16 of 1176: still within those 5 %
+        kinds.add(3000, 0, 1, 1.0, +1)
+    assert kinds.mix() is shifted
+    for _ in range(46):  # 62 of 1222: past them, a drift of 5 %
         kinds.add(3000, 0, 1, 1.0, +1)
     assert kinds.mix().share.tolist() == [0.25, 0.5, 1.0]
 
 
-def test_drift_is_total_variation_and_whole_when_the_kinds_differ() -> None:
+def test_a_young_clusters_mix_moves_only_past_its_noise() -> None:
+    """Few pods say little about the workload: a rebuilt mix replaces the one in use only
+    once it is farther than ``mix_noise`` (1/sqrt of the GPU pods held); a kind of the mix in
+    use that is no longer held replaces it whatever the count."""
+    kinds = fr.KindCounts()
+    for _ in range(8):
+        kinds.add(1000, 0, 1, 0.5, +1)
+        kinds.add(2000, 0, 1, 0.25, +1)
+    first = kinds.mix()
+    assert first.weight.tolist() == [0.5, 0.5]
+    for _ in range(16):  # 24:8 is a drift of 0.25; the noise of 32 pods is 0.18
+        kinds.add(1000, 0, 1, 0.5, +1)
+    assert kinds.mix() is not first
+    second = kinds.mix()
+    for _ in range(16):  # 40:8 vs 24:8: a drift of 0.083 under the noise of 48 pods (0.144)
+        kinds.add(1000, 0, 1, 0.5, +1)
+    assert kinds.mix() is second
+    for _ in range(8):
+        kinds.add(2000, 0, 1, 0.25, -1)
+    assert kinds.mix().share.tolist() == [0.5]
+    assert fr.mix_noise(0) == 1.0
+    assert fr.mix_noise(400) == pytest.approx(0.05)
+
+
+def test_drift_is_total_variation_over_both_mixes_kinds() -> None:
     a = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.5): 3, fr.Shape(0, 0, 1, 1.0): 1}, coverage=1.0)
     b = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.5): 1, fr.Shape(0, 0, 1, 1.0): 1}, coverage=1.0)
     assert fr.drift(a, b) == pytest.approx(0.25)
     assert fr.drift(a, a) == 0.0
     c = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.5): 1}, coverage=1.0)
-    assert fr.drift(a, c) == 1.0
+    assert fr.drift(a, c) == pytest.approx(0.25)  # the whole kind of 0.25 is gone
+    d = fr.TaskMix.of({fr.Shape(0, 0, 1, 0.25): 1}, coverage=1.0)
+    assert fr.drift(c, d) == 1.0
