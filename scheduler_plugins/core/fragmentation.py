@@ -93,7 +93,8 @@ class TaskMix(NamedTuple):
         (CPU-only kinds strand every free GPU wherever they go: they do not rank nodes),
         weights renormalised. Ties in frequency by shape, so the mix is deterministic."""
         gpu_kinds = sorted(
-            ((n, s) for s, n in counts.items() if s.gpus and n > 0), key=lambda x: (-x[0], x[1])
+            ((n, s) for s, n in counts.items() if s.gpus and n > 0),
+            key=lambda x: (-x[0], x[1].cpu_milli, x[1].memory_bytes, x[1].gpus, x[1].share),
         )
         total = sum(n for n, _ in gpu_kinds)
         kept: list[tuple[float, Shape]] = []
@@ -160,13 +161,13 @@ def drift(a: TaskMix, b: TaskMix) -> float:
 
 class KindCounts:
     """The kinds of pods held, counted as they come and go (a cluster state keeps one).
-    ``mix`` is rebuilt when a kind appears or goes, and else once the counts moved by a
-    hundredth (at least ``_REWEIGH`` pods) since the last build; the rebuilt mix replaces the
-    one in use when a kind of that one is held no more, or when it is ``MIX_DRIFT`` away and
-    farther than chance (``mix_noise`` of the GPU pods held). What the policy keeps per node
-    is computed for one mix (a new mix moves every node to it), so neither a burst of pods of
-    known kinds, nor a rare kind outside the mix, nor the noise of a young cluster's few pods
-    does that per pod."""
+    ``mix`` is rebuilt once the counts moved by a hundredth (at least ``_REWEIGH`` pods)
+    since the last build, at once when a kind of the mix in use is held no more or the first
+    GPU pod comes; the rebuilt mix replaces the one in use when a kind of that one is gone,
+    or when it is ``MIX_DRIFT`` away and farther than chance (``mix_noise`` of the GPU pods
+    held). What the policy keeps per node is computed for one mix (a new mix moves every
+    node to it), so neither a burst of pods of known kinds, nor new kinds one pod at a time,
+    nor the noise of a young cluster's few pods does that per pod."""
 
     _REWEIGH: Final = 16
 
@@ -184,10 +185,12 @@ class KindCounts:
         shape = pod_shape(cpu_milli, memory_bytes, gpus, share)
         n = self._counts[shape] + sign
         if n > 0:
-            self._kinds_changed |= n == sign  # a new kind
+            # a first GPU kind replaces the default at once; later ones wait for a reweigh
+            # (one pod of a kind moves the mix by 1/n, under its noise of 1/sqrt(n))
+            self._kinds_changed |= self._mix is DEFAULT_MIX and shape.gpus > 0
             self._counts[shape] = n
         else:
-            self._kinds_changed = True
+            self._kinds_changed |= shape in self._mix_kinds  # a kind of the mix is gone
             del self._counts[shape]
         self._held += sign
         self._gpu_held += sign if shape.gpus else 0
@@ -196,7 +199,7 @@ class KindCounts:
     def mix(self) -> TaskMix:
         if self._kinds_changed or self._moved >= max(self._REWEIGH, self._held // 100):
             fresh = TaskMix.of(self._counts, self._coverage)
-            gone = any(k not in self._counts for k in self._mix_kinds)
+            gone = not self._mix_kinds.issubset(self._counts)
             if gone or drift(self._mix, fresh) >= max(MIX_DRIFT, mix_noise(self._gpu_held)):
                 self._mix = fresh
                 self._mix_kinds = _shapes(fresh)

@@ -229,14 +229,14 @@ def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.Mo
     """A new workload mix never recomputes every kept row in one decision: the rows pods
     changed move to it at once, the rest a few per decision; once every row has moved, the
     scores are those of a fresh computation under the new mix."""
-    names = [f"n{i:03d}" for i in range(128)]
+    names = [f"n{i:03d}" for i in range(480)]
     st = state(**{n: (three_gpus(n), 64000) for n in names})
     for n in names[:4]:
         st.assume(_held(n, f"{n}-0", 500, 50, 1000))
     req = request("q", 30)
     decide(st, req)  # rows kept under a mix of half-GPU pods
     first = st.task_mix()
-    for i in range(6):  # a new kind, most of what is held now, on two nodes
+    for i in range(16):  # a new kind, most of what is held now, on two nodes
         n = names[100 + i % 2]
         st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000))
     assert st.task_mix() is not first

@@ -180,13 +180,15 @@ def test_mix_has_at_most_max_kinds() -> None:
 def test_kind_counts_follow_pods_in_and_out() -> None:
     kinds = fr.KindCounts()
     kinds.add(1000, 0, 1, 0.25, +1)
-    assert kinds.mix().share.tolist() == [0.25]
+    assert kinds.mix().share.tolist() == [0.25]  # the first GPU kind: at once
     kinds.add(1000, 0, 1, 0.5, +1)
-    kinds.add(1000, 0, 1, 0.5, +1)
+    assert kinds.mix().share.tolist() == [0.25]  # later ones at the next reweigh
+    for _ in range(15):
+        kinds.add(1000, 0, 1, 0.5, +1)
     assert kinds.mix().share.tolist() == [0.25, 0.5]  # by share
-    kinds.add(1000, 0, 1, 0.5, -1)
-    kinds.add(1000, 0, 1, 0.5, -1)
-    assert kinds.mix().share.tolist() == [0.25]
+    for _ in range(16):
+        kinds.add(1000, 0, 1, 0.5, -1)
+    assert kinds.mix().share.tolist() == [0.25]  # a kind of the mix gone: at once
     kinds.add(1000, 0, 1, 0.25, -1)
     assert kinds.mix() is fr.DEFAULT_MIX
 
