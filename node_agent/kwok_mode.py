@@ -20,7 +20,8 @@ health flag of that GPU and nothing else (``with_gpu_health``), under a resource
 precondition, so the scheduler stops or starts offering the GPU; when a daemon is back,
 the node's pods still allocating are looked at again.
 
-One watch feeds a ``PodIndex`` (pods by node, newest version of each), and the allocators
+One watch of the pods bound to a node (``BOUND_PODS``: a pending pod's events never reach
+the agents) feeds a ``PodIndex`` (pods by node, newest version of each), and the allocators
 read the pods of their node from it instead of listing them from the API: an allocation
 costs one patch. The index is at least as fresh as the event that asked for the work (the
 watch delivers events in order and the index is updated before the work is queued), and
@@ -52,7 +53,7 @@ from api.hami.register import decode
 from api.kube.client import KubeClient
 from api.kube.errors import ApiError, ConflictError, NotFoundError
 from api.kube.objects import annotations_of, pod_key
-from api.kube.reflector import Reflector
+from api.kube.reflector import Reflector, WatchStream
 from node_agent.allocator import Allocator
 from node_agent.mig_manager import MigManager
 from node_agent.mig_records import TERMINAL_PHASES, desired_from_pods
@@ -79,6 +80,10 @@ _TEST_FAILED: Final = 422  # a JSON patch "test" op that does not hold
 _HISTORY: Final = 4  # versions of each pod's metadata the index remembers
 _GUARDED_METADATA: Final = ("uid", "resourceVersion", "annotations")  # what guarded_ops reads
 _SPEC_KEPT: Final = ("nodeName", "initContainers", "containers")
+BOUND_PODS: Final = "spec.nodeName!="
+"""The pods the agents list and watch: those bound to a node (kube-scheduler's own selector
+for assigned pods). A pending pod's events (its creation, the scheduler's writes before the
+binding) never reach them; a pod arrives when it is bound, as ADDED."""
 
 Obj = dict[str, Any]
 
@@ -294,6 +299,25 @@ def guarded_ops(pod: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> list
         # Absent keys are only ever written by this agent's serial per-node work.
         ops.append({"op": "add", "path": where, "value": value})
     return ops
+
+
+class BoundPods:
+    """The pod collection as the agents' reflector lists and watches it: only pods bound to
+    a node (``BOUND_PODS``), so the apiserver sends, and the agents decode, a pod's events
+    from its binding on."""
+
+    def __init__(self, kube: KubeClient) -> None:
+        self._kube = kube
+
+    def list(self, path: str) -> Obj:
+        return self._kube.list(path, field_selector=BOUND_PODS)
+
+    def watch(
+        self, path: str, resource_version: str | None = None, *, timeout_s: int = 60
+    ) -> WatchStream:
+        return self._kube.watch(
+            path, resource_version, field_selector=BOUND_PODS, timeout_s=timeout_s
+        )
 
 
 # Per-node serial work on a shared pool -----------------------------------------------------------
@@ -640,10 +664,10 @@ class KwokAgents:
             threading.Thread(target=self.start_all, name="kwok-start", daemon=True).start()
 
     def start(self) -> None:
-        """List + watch all pods (relists on 410 Gone, backs off on errors); every watch
-        stream that ends also runs the periodic reconcile pass."""
+        """List + watch the pods bound to a node (``BoundPods``; relists on 410 Gone, backs
+        off on errors); every watch stream that ends also runs the periodic reconcile pass."""
         self._reflector = Reflector(
-            self._kube,
+            BoundPods(self._kube),
             "/api/v1/pods",
             on_list=self._listed,
             on_event=self.handle,

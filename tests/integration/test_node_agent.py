@@ -239,6 +239,36 @@ def test_kwok_mode_allocates_a_hami_core_pod(
     eventually(gone(api, path))
 
 
+def test_kwok_mode_reads_only_pods_bound_to_a_node(
+    api: KubeClient, dev_cluster: ClusterClient, agents: KwokAgents
+) -> None:
+    """The agents list and watch the pods bound to a node: a pending pod's events never
+    reach them (nor cost the apiserver a copy for them); it arrives once it is bound."""
+    node = fake_node(api, dev_cluster, "hami-core")
+    waiting = plain_pod("kwok-waiting")
+    waiting["spec"]["schedulerName"] = "no-such-scheduler"  # stays pending until bound here
+    api.post(PODS, waiting)
+    api.post(PODS, plain_pod("kwok-bound", node))
+    try:
+        eventually(lambda: agents.pods.get("default/kwok-bound") is not None)
+        # the watch delivers in order: the pending pod, created first, would be there now
+        assert agents.pods.get("default/kwok-waiting") is None
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": "kwok-waiting"},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        api.post(f"{PODS}/kwok-waiting/binding", binding)
+        eventually(lambda: agents.pods.get("default/kwok-waiting") is not None)
+        assert agents.pods.on_node(node)
+    finally:
+        api.delete(f"{PODS}/kwok-waiting")
+        api.delete(f"{PODS}/kwok-bound")
+    eventually(gone(api, f"{PODS}/kwok-waiting"))
+    eventually(lambda: agents.pods.get("default/kwok-waiting") is None)
+
+
 class CountingKube:
     """The real client, counting node reads: GETs of one node and LISTs of all."""
 
