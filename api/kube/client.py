@@ -577,6 +577,9 @@ class KubeClient:
         raise AssertionError("unreachable")
 
 
+_WATCH_READ: Final = 1 << 16
+
+
 class Watch:
     """One watch stream: iterate for ``{"type": …, "object": {…}}`` events.
 
@@ -601,38 +604,49 @@ class Watch:
                 raise RuntimeError(f"watch {self.path} is already being read")
             self._reading = True
         try:
+            rest = b""  # the start of a line whose end has not arrived
             while not self._closed.is_set():
                 try:
-                    line = self._resp.readline()
+                    # What has arrived, at most a chunk (the apiserver sends an event per
+                    # chunk): a readline of a chunked body costs several Python-level
+                    # peeks and reads per event.
+                    data = self._resp.read1(_WATCH_READ)
                 except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
                     # After close() from another thread the read fails in one of these ways.
                     if self._closed.is_set():
                         return
                     raise UnreachableError(f"watch {self.path} broke: {e!r}") from e
-                if not line:
+                if not data:
+                    if rest.strip():
+                        yield self._event(rest)
                     return
-                if not line.strip():
-                    continue
-                try:
-                    # Every watcher decodes every pod event: orjson takes a third of the
-                    # stdlib's time (9 vs 25 us for a 2.8 KB pod).
-                    event = orjson.loads(line)
-                except orjson.JSONDecodeError as e:
-                    raise InvalidResponseError(
-                        f"watch {self.path}: event is not JSON: {line[:200]!r}"
-                    ) from e
-                if not isinstance(event, dict) or "type" not in event:
-                    raise InvalidResponseError(f"watch {self.path}: not an event: {line[:200]!r}")
-                if event["type"] == "ERROR":
-                    status = event.get("object") or {}
-                    code = int(status.get("code", 500))
-                    raise _error_for("WATCH", self.path, code, json.dumps(status))
-                yield event
+                lines = (rest + data).split(b"\n") if rest else data.split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    if line.strip():
+                        yield self._event(line)
         finally:
             self._closed.set()
             with self._lock:
                 self._reading = False
             self._conn.close()
+
+    def _event(self, line: bytes) -> Obj:
+        try:
+            # Every watcher decodes every pod event: orjson takes a third of the stdlib's
+            # time (9 vs 25 us for a 2.8 KB pod).
+            event = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise InvalidResponseError(
+                f"watch {self.path}: event is not JSON: {line[:200]!r}"
+            ) from e
+        if not isinstance(event, dict) or "type" not in event:
+            raise InvalidResponseError(f"watch {self.path}: not an event: {line[:200]!r}")
+        if event["type"] == "ERROR":
+            status = event.get("object") or {}
+            code = int(status.get("code", 500))
+            raise _error_for("WATCH", self.path, code, json.dumps(status))
+        return event
 
     def close(self) -> None:
         """End the stream; safe from any thread and more than once.

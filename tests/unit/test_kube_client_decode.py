@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,17 @@ ANSWERS: dict[str, tuple[bytes, bool]] = {
     "/watch-ok": (b'{"type":"ADDED","object":' + POD.encode() + b"}\n", True),
     "/watch-garbage": (b'{"type":"ADDED","object":{}}\n{broken\n', True),
 }
+EVENT = b'{"type":"MODIFIED","object":' + POD.encode() + b"}"
+# path -> the chunks of a watch body, as a server may cut them
+CHUNKS: dict[str, list[bytes]] = {
+    # an event across three chunks, two in one, a blank line between, the last unended
+    "/watch-cut": [
+        EVENT[:10],
+        EVENT[10:30],
+        EVENT[30:] + b"\n" + EVENT + b"\n\n" + EVENT[:5],
+        EVENT[5:],
+    ],
+}
 
 
 @pytest.fixture
@@ -28,7 +40,17 @@ def url(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            body, chunked = ANSWERS[self.path.split("?", 1)[0]]
+            path = self.path.split("?", 1)[0]
+            if path in CHUNKS:
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for chunk in CHUNKS[path]:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            body, chunked = ANSWERS[path]
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             if chunked:
@@ -59,6 +81,12 @@ def test_answers_and_watch_events_decode_as_the_stdlib_would(url: tuple[str, Pat
         }
         with api.watch("/watch-ok") as w:
             assert list(w) == [{"type": "ADDED", "object": pod}]
+
+
+def test_watch_events_are_whole_lines_however_the_chunks_cut_them(url: tuple[str, Path]) -> None:
+    want = {"type": "MODIFIED", "object": json.loads(POD)}
+    with KubeClient(url[0], "t", url[1]) as api, api.watch("/watch-cut") as w:
+        assert list(w) == [want, want, want]
 
 
 def test_what_is_not_json_is_named(url: tuple[str, Path]) -> None:
