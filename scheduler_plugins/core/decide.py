@@ -1950,7 +1950,51 @@ class _FragRows:
         mode: GpuMode,
         ctx: _Frag,
     ) -> F64:
-        """[P] per row, the delta of the pod's placement there (inf where it has no room)."""
+        """[P] per row, the delta of the pod's placement there (inf where it has no room).
+
+        A pod's CPU and memory change its delta on a node only where what is left after it
+        falls below what some kind of the mix asks (``_tight``); elsewhere the delta is that
+        of the same GPU request without CPU or memory. So pods that differ only in CPU and
+        memory share one kept row set, and each recomputes its tight rows; a pod tight on
+        many nodes keeps its own."""
+        pod = ctx.shape
+        if not (pod.cpu_milli or pod.memory_bytes):
+            return self._kept(state, layout, table, masks, request, mode, ctx)
+        tight = self._tight(table, ctx)
+        if tight.size * 8 > table.nodes.size:
+            return self._kept(state, layout, table, masks, request, mode, ctx)
+        bare = replace(ctx, shape=replace(pod, cpu_milli=0, memory_bytes=0))
+        d = self._kept(state, layout, table, masks, request, mode, bare)
+        if not tight.size:
+            return d
+        d = d.copy()
+        d[tight] = _row_deltas(state, table, masks, request, mode, ctx, self, tight)
+        return d
+
+    def _tight(self, table: PathTable, ctx: _Frag) -> I64:
+        """The rows where CPU or memory left after the pod is below the most some kind of a
+        mix the rows are under asks."""
+        cpu = max(float(m.cpu.max()) for m, _ in self.mixes.values())
+        mem = max(float(m.memory.max()) for m, _ in self.mixes.values())
+        at = table.nodes
+        short = ctx.cpu_left[at] - ctx.shape.cpu_milli < cpu
+        short |= ctx.mem_left[at] - ctx.shape.memory_bytes < mem
+        rows: I64 = np.flatnonzero(short)
+        return rows
+
+    def _kept(
+        self,
+        state: ClusterState,
+        layout: Layout,
+        table: PathTable,
+        masks: _Masks,
+        request: PodRequest,
+        mode: GpuMode,
+        ctx: _Frag,
+    ) -> F64:
+        """``deltas`` for ``ctx``'s pod from the rows kept for its kind of request (its
+        devices, CPU, memory and GPU selectors), recomputed where nodes changed or moved to a
+        newer mix since."""
         c = request.containers[0] if request.containers else None
         key = (
             mode,
@@ -1985,9 +2029,10 @@ class _FragRows:
 
 def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: int) -> I64 | None:
     """The rows of ``table`` whose node pods changed since ``clock``; None when too many (or
-    too long ago) to refresh them one by one."""
+    too long ago) to refresh them one by one: a quarter of the rows (a refresh of a quarter
+    costs about half a full one, its Python work being per call, not per row)."""
     changed = state.usage_changes_since(clock)
-    if changed is None or len(changed) * 8 > table.nodes.size:
+    if changed is None or len(changed) > 2 * table.nodes.size:
         return None
     if not changed:
         return np.zeros(0, np.int64)
@@ -1995,7 +2040,7 @@ def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: 
     segs = segs[segs >= 0]
     at = np.minimum(np.searchsorted(table.nodes, segs), table.nodes.size - 1)
     rows: I64 = at[table.nodes[at] == segs]
-    return rows
+    return None if rows.size * 4 > table.nodes.size else rows
 
 
 def _sub_path(

@@ -122,52 +122,45 @@ DEFAULT_MIX: Final = TaskMix(np.zeros(1), np.zeros(1), np.ones(1), np.ones(1), n
 
 
 MIX_DRIFT: Final = 0.02
-"""A rebuilt mix replaces the one in use only once it is this far from it (``drift``), and
-at least as far as the rebuilt one's own uncertainty (``mix_noise``)."""
+"""The mix is rebuilt only once the workload moved this far (``drift``) from the one it was
+built from, and at least as far as the counts' own uncertainty (``mix_noise``)."""
 
 
-def mix_noise(pods: int) -> float:
-    """How far a mix counted from ``pods`` GPU pods may be from the workload's by chance:
-    about 1/sqrt(pods) in total variation (1.0 with none)."""
-    return 1.0 / math.sqrt(pods) if pods > 0 else 1.0
-
-
-def _kinds(mix: TaskMix) -> dict[tuple[float, float, float, float], float]:
-    return {
-        (c, m, g, s): w
-        for c, m, g, s, w in zip(
-            mix.cpu.tolist(),
-            mix.memory.tolist(),
-            mix.gpus.tolist(),
-            mix.share.tolist(),
-            mix.weight.tolist(),
-            strict=True,
-        )
-    }
+def mix_noise(pods: int, kinds: int) -> float:
+    """How far the counts of ``pods`` GPU pods of ``kinds`` kinds may be from the workload's
+    by chance, in total variation: about sqrt(kinds / pods) / 2 (two samples of one workload
+    differ that much; at most 1.0, 1.0 with no pods)."""
+    return min(1.0, math.sqrt(max(kinds, 1) / pods) / 2) if pods > 0 else 1.0
 
 
 def _shapes(mix: TaskMix) -> frozenset[Shape]:
+    """The kinds ``mix`` weighs (none for the default)."""
     if mix is DEFAULT_MIX:
         return frozenset()
-    return frozenset(Shape(int(c), int(m), int(g), s) for c, m, g, s in _kinds(mix))
+    columns = (mix.cpu.tolist(), mix.memory.tolist(), mix.gpus.tolist(), mix.share.tolist())
+    return frozenset(Shape(int(c), int(m), int(g), s) for c, m, g, s in zip(*columns, strict=True))
 
 
-def drift(a: TaskMix, b: TaskMix) -> float:
-    """How far ``b``'s weights are from ``a``'s: total variation over both mixes' kinds (a
-    kind one of them leaves out weighs 0 there)."""
-    wa, wb = _kinds(a), _kinds(b)
-    return sum(abs(wa.get(k, 0.0) - wb.get(k, 0.0)) for k in wa.keys() | wb.keys()) / 2
+def drift(a: Mapping[Shape, float], b: Mapping[Shape, float]) -> float:
+    """How far workload ``b`` is from ``a`` (pods per kind, each scaled to its total): total
+    variation over both's kinds (a kind one of them lacks weighs 0 there)."""
+    ta, tb = sum(a.values()), sum(b.values())
+    if not ta or not tb:
+        return 0.0 if ta == tb else 1.0
+    return sum(abs(a.get(k, 0.0) / ta - b.get(k, 0.0) / tb) for k in a.keys() | b.keys()) / 2
 
 
 class KindCounts:
     """The kinds of pods held, counted as they come and go (a cluster state keeps one).
-    ``mix`` is rebuilt once the counts moved by a hundredth (at least ``_REWEIGH`` pods)
-    since the last build, at once when a kind of the mix in use is held no more or the first
-    GPU pod comes; the rebuilt mix replaces the one in use when a kind of that one is gone,
-    or when it is ``MIX_DRIFT`` away and farther than chance (``mix_noise`` of the GPU pods
-    held). What the policy keeps per node is computed for one mix (a new mix moves every
-    node to it), so neither a burst of pods of known kinds, nor new kinds one pod at a time,
-    nor the noise of a young cluster's few pods does that per pod."""
+    ``mix`` is looked at once the counts moved by a hundredth (at least ``_REWEIGH`` pods)
+    since the last look, at once when a kind of the mix in use is held no more or the first
+    GPU pod comes. It is rebuilt when a kind of the one in use is gone, or when the GPU pods
+    held (every kind of them, not only the mix's) are ``MIX_DRIFT`` away from those it was
+    built from and farther than chance (``mix_noise`` of the GPU pods held and their kinds).
+    What the policy keeps per node is computed for one mix (a new mix moves every node to
+    it), so neither a burst of pods of known kinds, nor new kinds one pod at a time, nor
+    kinds trading places at the mix's cut (many about as common), nor the noise of a few
+    pods does that per pod."""
 
     _REWEIGH: Final = 16
 
@@ -180,6 +173,7 @@ class KindCounts:
         self._kinds_changed = False
         self._mix: TaskMix = DEFAULT_MIX
         self._mix_kinds: frozenset[Shape] = frozenset()
+        self._built_from: dict[Shape, int] = {}  # the GPU pods the mix in use was built from
 
     def add(self, cpu_milli: int, memory_bytes: int, gpus: int, share: float, sign: int) -> None:
         shape = pod_shape(cpu_milli, memory_bytes, gpus, share)
@@ -198,11 +192,14 @@ class KindCounts:
 
     def mix(self) -> TaskMix:
         if self._kinds_changed or self._moved >= max(self._REWEIGH, self._held // 100):
-            fresh = TaskMix.of(self._counts, self._coverage)
+            gpu = {s: n for s, n in self._counts.items() if s.gpus}
             gone = not self._mix_kinds.issubset(self._counts)
-            if gone or drift(self._mix, fresh) >= max(MIX_DRIFT, mix_noise(self._gpu_held)):
-                self._mix = fresh
-                self._mix_kinds = _shapes(fresh)
+            if gone or drift(self._built_from, gpu) >= max(
+                MIX_DRIFT, mix_noise(self._gpu_held, len(gpu))
+            ):
+                self._mix = TaskMix.of(gpu, self._coverage)
+                self._mix_kinds = _shapes(self._mix)
+                self._built_from = gpu
             self._moved = 0
             self._kinds_changed = False
         return self._mix

@@ -12,7 +12,7 @@ from api.hami.config import DeviceConfig
 from api.hami.policy import Policy
 from scheduler_plugins.core import fragmentation as fr
 from scheduler_plugins.core import ranking
-from scheduler_plugins.core.decide import decide
+from scheduler_plugins.core.decide import _FragRows, decide
 from scheduler_plugins.core.requests import PodRequest, parse_request
 from scheduler_plugins.core.state import ClusterState
 from tests.builders import gpu, make_pod, mig_gpu
@@ -173,10 +173,12 @@ def test_a_pod_leaving_the_choice_to_tessera_is_offered_its_best_node_alone() ->
     assert len(every) == 3 and layout.names[every[0]] == "b"
 
 
-def test_kept_rows_give_what_a_fresh_computation_gives() -> None:
+def test_kept_rows_give_what_a_fresh_computation_gives(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scores from the rows kept between decisions (refreshed where pods changed a node, CPU
     only pods included) equal those computed afresh (a decision that cannot use the kept
-    rows: another holds the layout's work arrays)."""
+    rows: another holds the layout's work arrays). A new mix reaches every kept row at once
+    here (how it reaches them gradually: the next test)."""
+    monkeypatch.setattr(_FragRows, "ROLL_DECISIONS", 1)
     rng = np.random.default_rng(5)
     nodes = {f"n{i}": (three_gpus(f"n{i}"), 16000) for i in range(12)}
     st = state(**nodes)
@@ -260,6 +262,34 @@ def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.Mo
     assert layout.scratch.acquire()
     try:
         want = decide(st, req)
+    finally:
+        layout.scratch.release()
+    assert d.score.tolist() == pytest.approx(want.score.tolist())
+
+
+def test_pods_differing_only_in_cpu_share_the_kept_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CPU and memory are plenty, a pod's delta does not depend on them: a pod asking
+    other CPU than the last, same GPU request, recomputes only the nodes where its CPU can
+    decide what still fits, and scores as a fresh computation does."""
+    names = [f"n{i:02d}" for i in range(40)]
+    st = state(**{n: (three_gpus(n), 64000 if i else 4000) for i, n in enumerate(names)})
+    st.assume(_held("n05", "n05-0", 500, 50, 3000))  # the mix: half GPUs with 3 cores
+    decide(st, request("a", 30, cpu="1"))
+    recomputed: list[int] = []
+    real = fr.node_deltas
+
+    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> fr.Delta:
+        recomputed.append(free.shape[0])
+        return real(free, *args, **kwargs)
+
+    monkeypatch.setattr(fr, "node_deltas", counted)
+    b = request("b", 30, cpu="2")
+    d = decide(st, b)
+    assert recomputed == [1]  # n00: 4 cores, 2 left after b, under the 3 the mix's kind asks
+    layout = st.layout()
+    assert layout.scratch.acquire()
+    try:
+        want = decide(st, b)
     finally:
         layout.scratch.release()
     assert d.score.tolist() == pytest.approx(want.score.tolist())
