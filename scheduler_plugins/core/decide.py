@@ -1952,20 +1952,47 @@ class _FragRows:
     ) -> F64:
         """[P] per row, the delta of the pod's placement there (inf where it has no room).
 
-        A pod's CPU and memory change its delta on a node only where what is left after it
-        falls below what some kind of the mix asks (``_tight``); elsewhere the delta is that
-        of the same GPU request without CPU or memory. So pods that differ only in CPU and
-        memory share one kept row set, and each recomputes its tight rows; a pod tight on
-        many nodes keeps its own."""
+        Kept per kind of request (its devices, CPU, memory and GPU selectors), recomputed
+        where nodes changed or moved to a newer mix since. A pod's CPU and memory change its
+        delta on a node only where what is left after it falls below what some kind of the
+        mix asks (``_tight``); elsewhere the delta is that of the same GPU request without
+        CPU or memory. So pods that differ only in CPU and memory share one kept row set,
+        and each recomputes its tight rows; a pod tight on many nodes keeps its own."""
         pod = ctx.shape
-        if not (pod.cpu_milli or pod.memory_bytes):
-            return self._kept(state, layout, table, masks, request, mode, ctx)
-        tight = self._tight(table, ctx)
-        if tight.size * 8 > table.nodes.size:
-            return self._kept(state, layout, table, masks, request, mode, ctx)
-        bare = replace(ctx, shape=replace(pod, cpu_milli=0, memory_bytes=0))
-        d = self._kept(state, layout, table, masks, request, mode, bare)
-        if not tight.size:
+        tight = self._tight(table, ctx) if pod.cpu_milli or pod.memory_bytes else None
+        if tight is not None and tight.size * 8 > table.nodes.size:
+            tight = None  # its own kept rows
+        at = ctx if tight is None else replace(ctx, shape=replace(pod, cpu_milli=0, memory_bytes=0))
+        c = request.containers[0] if request.containers else None
+        key = (
+            mode,
+            None if c is None else (c.count, c.mem_mib, c.mem_percent, c.cores),
+            at.shape.cpu_milli,
+            at.shape.memory_bytes,
+            request.use_types,
+            request.nouse_types,
+            request.use_uuids,
+            request.nouse_uuids,
+            request.gpu_policy.mutex,
+            masks.blocked,
+        )
+        found = self._deltas.get(key)
+        rows = None if found is None else _changed_rows(state, layout, table, found[0])
+        if found is None or rows is None:
+            d = _row_deltas(state, table, masks, request, mode, at, self, None)
+            if len(self._deltas) >= self._MAX_KINDS:
+                self._deltas.clear()
+            gens = self.row_gen.copy()
+        else:
+            _, gens, d = found
+            moved = np.flatnonzero(gens != self.row_gen)  # rows that moved to a newer mix
+            if moved.size:
+                rows = np.union1d(rows, moved)
+                gens[moved] = self.row_gen[moved]
+            if rows.size:
+                d[rows] = _row_deltas(state, table, masks, request, mode, at, self, rows)
+        self._deltas[key] = (state.usage_clock, gens, d)
+        if tight is None or not tight.size:
             return d
         d = d.copy()
         d[tight] = _row_deltas(state, table, masks, request, mode, ctx, self, tight)
@@ -1981,50 +2008,6 @@ class _FragRows:
         short |= ctx.mem_left[at] - ctx.shape.memory_bytes < mem
         rows: I64 = np.flatnonzero(short)
         return rows
-
-    def _kept(
-        self,
-        state: ClusterState,
-        layout: Layout,
-        table: PathTable,
-        masks: _Masks,
-        request: PodRequest,
-        mode: GpuMode,
-        ctx: _Frag,
-    ) -> F64:
-        """``deltas`` for ``ctx``'s pod from the rows kept for its kind of request (its
-        devices, CPU, memory and GPU selectors), recomputed where nodes changed or moved to a
-        newer mix since."""
-        c = request.containers[0] if request.containers else None
-        key = (
-            mode,
-            None if c is None else (c.count, c.mem_mib, c.mem_percent, c.cores),
-            ctx.shape.cpu_milli,
-            ctx.shape.memory_bytes,
-            request.use_types,
-            request.nouse_types,
-            request.use_uuids,
-            request.nouse_uuids,
-            request.gpu_policy.mutex,
-            masks.blocked,
-        )
-        found = self._deltas.get(key)
-        rows = None if found is None else _changed_rows(state, layout, table, found[0])
-        if found is None or rows is None:
-            d = _row_deltas(state, table, masks, request, mode, ctx, self, None)
-            if len(self._deltas) >= self._MAX_KINDS:
-                self._deltas.clear()
-            gens = self.row_gen.copy()
-        else:
-            _, gens, d = found
-            moved = np.flatnonzero(gens != self.row_gen)  # rows that moved to a newer mix
-            if moved.size:
-                rows = np.union1d(rows, moved)
-                gens[moved] = self.row_gen[moved]
-            if rows.size:
-                d[rows] = _row_deltas(state, table, masks, request, mode, ctx, self, rows)
-        self._deltas[key] = (state.usage_clock, gens, d)
-        return d
 
 
 def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: int) -> I64 | None:

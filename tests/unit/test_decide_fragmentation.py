@@ -55,6 +55,30 @@ def place(st: ClusterState, req: PodRequest) -> tuple[str, list[str]]:
     return node, [x.uuid for c in plan.containers for x in c]
 
 
+def fresh(st: ClusterState, req: PodRequest) -> Any:
+    """A decision that cannot use the rows kept between decisions (another holds the
+    layout's work arrays): computed afresh."""
+    layout = st.layout()
+    assert layout.scratch.acquire()
+    try:
+        return decide(st, req)
+    finally:
+        layout.scratch.release()
+
+
+def count_recomputed_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows each later one-device delta computation takes (``node_deltas``)."""
+    recomputed: list[int] = []
+    real = fr.node_deltas
+
+    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> fr.Delta:
+        recomputed.append(free.shape[0])
+        return real(free, *args, **kwargs)
+
+    monkeypatch.setattr(fr, "node_deltas", counted)
+    return recomputed
+
+
 def test_half_pods_complete_half_used_gpus() -> None:
     st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
     placed = [place(st, request(f"p{i}", 50)) for i in range(4)]
@@ -191,13 +215,7 @@ def test_kept_rows_give_what_a_fresh_computation_gives(monkeypatch: pytest.Monke
             pct = int(rng.choice([10, 25, 50, 100]))
             req = request(f"p{i}", pct, cpu=str(int(rng.integers(1, 4))))
         d = decide(st, req)
-        layout = st.layout()
-        assert layout.scratch.acquire()
-        try:
-            want = decide(st, req)
-        finally:
-            layout.scratch.release()
-        assert d.score.tolist() == pytest.approx(want.score.tolist())
+        assert d.score.tolist() == pytest.approx(fresh(st, req).score.tolist())
         node = d.best_node()
         if node is None:
             continue
@@ -242,14 +260,7 @@ def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.Mo
         n = names[100 + i % 2]
         st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000))
     assert st.task_mix() is not first
-    recomputed: list[int] = []
-    real = fr.node_deltas
-
-    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> fr.Delta:
-        recomputed.append(free.shape[0])
-        return real(free, *args, **kwargs)
-
-    monkeypatch.setattr(fr, "node_deltas", counted)
+    recomputed = count_recomputed_rows(monkeypatch)
     step = -(-len(names) // 32)
     for _ in range(32):
         recomputed.clear()
@@ -258,12 +269,7 @@ def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.Mo
     recomputed.clear()
     d = decide(st, req)
     assert recomputed == []  # every row moved: nothing left to recompute
-    layout = st.layout()
-    assert layout.scratch.acquire()
-    try:
-        want = decide(st, req)
-    finally:
-        layout.scratch.release()
+    want = fresh(st, req)
     assert d.score.tolist() == pytest.approx(want.score.tolist())
 
 
@@ -275,21 +281,9 @@ def test_pods_differing_only_in_cpu_share_the_kept_rows(monkeypatch: pytest.Monk
     st = state(**{n: (three_gpus(n), 64000 if i else 4000) for i, n in enumerate(names)})
     st.assume(_held("n05", "n05-0", 500, 50, 3000))  # the mix: half GPUs with 3 cores
     decide(st, request("a", 30, cpu="1"))
-    recomputed: list[int] = []
-    real = fr.node_deltas
-
-    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> fr.Delta:
-        recomputed.append(free.shape[0])
-        return real(free, *args, **kwargs)
-
-    monkeypatch.setattr(fr, "node_deltas", counted)
+    recomputed = count_recomputed_rows(monkeypatch)
     b = request("b", 30, cpu="2")
     d = decide(st, b)
     assert recomputed == [1]  # n00: 4 cores, 2 left after b, under the 3 the mix's kind asks
-    layout = st.layout()
-    assert layout.scratch.acquire()
-    try:
-        want = decide(st, b)
-    finally:
-        layout.scratch.release()
+    want = fresh(st, b)
     assert d.score.tolist() == pytest.approx(want.score.tolist())
