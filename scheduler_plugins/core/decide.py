@@ -1925,14 +1925,14 @@ class _FragRows:
     def _shared_parts(self) -> bool:
         return all(p is self.mixes[self.newest][1] for _, p in self.mixes.values())
 
-    def groups(self, at: I64) -> list[tuple[B | None, frag.TaskMix, frag.Parts]]:
-        """``at``'s rows by the mix they are under: (which of ``at`` or None for all, the
-        mix, its parts at those rows)."""
+    def groups(self, at: I64) -> list[tuple[B | slice, frag.TaskMix, frag.Parts]]:
+        """``at``'s rows by the mix they are under: (which of ``at``, the mix, its parts at
+        those rows)."""
         if len(self.mixes) == 1:
             mix, p = self.mixes[self.newest]
-            return [(None, mix, frag.Parts(p.total[at], p.small[at], p.room[at]))]
+            return [(slice(None), mix, frag.Parts(p.total[at], p.small[at], p.room[at]))]
         gens = self.row_gen[at]
-        out: list[tuple[B | None, frag.TaskMix, frag.Parts]] = []
+        out: list[tuple[B | slice, frag.TaskMix, frag.Parts]] = []
         for g, (mix, p) in self.mixes.items():
             sel = gens == g
             if sel.any():
@@ -2080,7 +2080,7 @@ def _row_deltas(
     pod = ctx.shape
     if c is None:  # only the CPU and memory change
 
-        def one(sel: Any, mix: frag.TaskMix, here: frag.Parts) -> F64:
+        def one(sel: B | slice, mix: frag.TaskMix, here: frag.Parts) -> F64:
             f, cl, ml = free[sel], cpu[sel], mem[sel]
             before = frag.fragmentation(f, cl, ml, mix, here)
             after = frag.fragmentation(f, cl - pod.cpu_milli, ml - pod.memory_bytes, mix, here)
@@ -2093,12 +2093,12 @@ def _row_deltas(
         take = _Frag.take(cols, req_mem, c)
         place = frag.node_deltas if c.count == 1 else frag.placement_delta
 
-        def one(sel: Any, mix: frag.TaskMix, here: frag.Parts) -> F64:
+        def one(sel: B | slice, mix: frag.TaskMix, here: frag.Parts) -> F64:
             return place(free[sel], cpu[sel], mem[sel], mix, pod, fit[sel], take[sel], here).delta
 
     groups = kept.groups(at)
     if len(groups) == 1:
-        return one(slice(None), groups[0][1], groups[0][2])
+        return one(*groups[0])
     out = np.empty(at.size)
     for sel, mix, here in groups:
         out[sel] = one(sel, mix, here)

@@ -169,7 +169,6 @@ class KindCounts:
         self._counts: Counter[Shape] = Counter()
         self._moved = 0
         self._held = 0
-        self._gpu_held = 0
         self._kinds_changed = False
         self._mix: TaskMix = DEFAULT_MIX
         self._mix_kinds: frozenset[Shape] = frozenset()
@@ -187,7 +186,6 @@ class KindCounts:
             self._kinds_changed |= shape in self._mix_kinds  # a kind of the mix is gone
             del self._counts[shape]
         self._held += sign
-        self._gpu_held += sign if shape.gpus else 0
         self._moved += 1
 
     def mix(self) -> TaskMix:
@@ -195,7 +193,7 @@ class KindCounts:
             gpu = {s: n for s, n in self._counts.items() if s.gpus}
             gone = not self._mix_kinds.issubset(self._counts)
             if gone or drift(self._built_from, gpu) >= max(
-                MIX_DRIFT, mix_noise(self._gpu_held, len(gpu))
+                MIX_DRIFT, mix_noise(sum(gpu.values()), len(gpu))
             ):
                 self._mix = TaskMix.of(gpu, self._coverage)
                 self._mix_kinds = _shapes(self._mix)
