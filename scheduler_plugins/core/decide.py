@@ -973,6 +973,75 @@ def _merged(kept: _PathResult | None, res: _PathResult) -> _PathResult:
     return kept
 
 
+def _usable(
+    src: GpuSource,
+    ok: B,
+    type_id: npt.NDArray[np.int32],
+    idx: I64,
+    masks: _Masks,
+    sc: Scratch | None,
+) -> B:
+    """``ok`` (GPUs of a path's table) less what the request excludes regardless of usage: GPU
+    types, UUIDs, blocked GPUs (``ok`` itself when it excludes nothing). ``sc``: in its work
+    arrays."""
+    ok_types, uuid_ok = masks.ok_types, masks.uuid_ok
+    if ok_types is None and uuid_ok is None and not masks.blocked:
+        return ok
+    shape = ok.shape
+    out = ok.copy() if sc is None else sc.get("ok", shape, np.bool_)
+    tmp = np.empty(shape, np.bool_) if sc is None else sc.get("b0", shape, np.bool_)
+    if sc is not None:
+        np.copyto(out, ok)
+    if ok_types is not None:
+        out &= np.take(ok_types, type_id, out=tmp, mode="clip")
+    if uuid_ok is not None:
+        out &= np.take(uuid_ok, idx, out=tmp, mode="clip")
+    if masks.blocked:
+        out &= ~np.take(src.gpus.blocked, idx, out=tmp, mode="clip")
+    return out
+
+
+def _shared_fit(
+    c: ContainerRequest,
+    cols: _Columns,
+    *,
+    min_cores: float,
+    mutex: bool,
+    why: bool = False,
+    scratch: Scratch | None = None,
+) -> tuple[B, F64 | float, I64 | None]:
+    """Where each shared GPU (hami-core, MPS) of ``cols`` can take one device of ``c``
+    (``rules.core_checks``; ``min_cores``: the fewest cores of a GPU of the table, ``mutex``:
+    the GPU policy's), the memory it asks of each, and with ``why`` the failed checks'
+    reasons. ``scratch``: in its work arrays."""
+    cap, ok, used = cols
+    sc, shape = scratch, ok.shape
+    req_mem = rules.request_memory(
+        c.mem_mib, c.mem_percent, cap.mem, sc.get("req_mem", shape, np.float64) if sc else None
+    )
+    checks = rules.core_checks(
+        cap,
+        used,
+        req_mem,
+        c.cores,
+        # else every card has more cores than asked: no exclusivity
+        exclusive_possible=c.cores >= min_cores,
+        mutex=mutex,
+        out=(
+            (
+                sc.get("b0", shape, np.bool_),
+                sc.get("b1", shape, np.bool_),
+                sc.get("f0", shape, np.float64),
+            )
+            if sc
+            else None
+        ),
+    )
+    reasons = np.zeros(shape, np.int64) if why else None
+    fit = rules.fold(checks, ok, fit=sc.get("fit", shape, np.bool_) if sc else None, why=reasons)
+    return fit, req_mem, reasons
+
+
 class _Path:
     """One path's (hami-core, MPS or MIG) GPUs for one decision: usage gathered into the path's
     dense per-node table (or some of its rows) once; containers' planned devices are counted in
@@ -1024,19 +1093,7 @@ class _Path:
         self.scratch = sc = scratch
         idx = table.idx
         self.shape: tuple[int, int] = (idx.shape[0], idx.shape[1])
-        ok = table.ok
-        ok_types, uuid_ok = masks.ok_types, masks.uuid_ok
-        if ok_types is not None or uuid_ok is not None or masks.blocked:
-            ok = sc.get("ok", self.shape, np.bool_)
-            tmp = sc.get("b0", self.shape, np.bool_)
-            np.copyto(ok, table.ok)
-            if ok_types is not None:
-                ok &= np.take(ok_types, table.type_id, out=tmp, mode="clip")
-            if uuid_ok is not None:
-                ok &= np.take(uuid_ok, idx, out=tmp, mode="clip")
-            if masks.blocked:
-                ok &= ~np.take(g.blocked, idx, out=tmp, mode="clip")
-        self.ok = ok
+        self.ok = _usable(src, table.ok, table.type_id, idx, masks, sc)
         if usage is not None:  # read-only: ``commit`` must not be called
             self.slots, self.mem, self.cores, self.mask = usage
         else:
@@ -1147,38 +1204,16 @@ class _Path:
     def _core_fit(
         self, c: ContainerRequest, cols: _Columns, *, work: bool
     ) -> tuple[B, F64 | float, I64 | None]:
-        """Where each position can take one device of ``c`` (``rules.core_checks``), the memory
-        it asks of each, and with ``self.why`` the failed checks' reasons. ``work``: in work
-        arrays, read before the next evaluation."""
-        cap, ok, used = cols
-        sc, shape = self.scratch, ok.shape
-        req_mem = rules.request_memory(
-            c.mem_mib,
-            c.mem_percent,
-            cap.mem,
-            sc.get("req_mem", shape, np.float64) if work else None,
-        )
-        checks = rules.core_checks(
-            cap,
-            used,
-            req_mem,
-            c.cores,
-            # else every card has more cores than asked: no exclusivity
-            exclusive_possible=c.cores >= self.table.min_cores,
+        """``_shared_fit`` of ``c`` on ``cols``, with ``self.why`` the failed checks' reasons.
+        ``work``: in work arrays, read before the next evaluation."""
+        return _shared_fit(
+            c,
+            cols,
+            min_cores=self.table.min_cores,
             mutex=self.mutex,
-            out=(
-                (
-                    sc.get("b0", shape, np.bool_),
-                    sc.get("b1", shape, np.bool_),
-                    sc.get("f0", shape, np.float64),
-                )
-                if work
-                else None
-            ),
+            why=self.why,
+            scratch=self.scratch if work else None,
         )
-        why = np.zeros(shape, np.int64) if self.why else None
-        fit = rules.fold(checks, ok, fit=sc.get("fit", shape, np.bool_) if work else None, why=why)
-        return fit, req_mem, why
 
     def _core_eval(
         self, c: ContainerRequest, sign: float, pos: I64 | None
@@ -1756,7 +1791,7 @@ class _Frag:
         cap = cols.cap
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.maximum(c.cores / cap.cores, np.asarray(req_mem) / cap.mem)
-        out: F64 = np.where(c.cores >= cap.cores, 1.0, np.minimum(np.nan_to_num(share), 1.0))
+        out: F64 = np.where(c.cores >= cap.cores, 1.0, np.minimum(np.fmax(share, 0.0), 1.0))
         return out
 
     def desirability(
@@ -1784,7 +1819,7 @@ class _Frag:
                 self.take(cols, req_mem, c),
             )
             return -d
-        out: F64 = np.where(fit, -np.nan_to_num(free, nan=0.0), -np.inf)
+        out: F64 = np.where(fit, -np.fmax(free, 0.0), -np.inf)
         return out
 
 
@@ -1815,7 +1850,7 @@ def _fragmentation_scores(
     for mode, table in layout.tables():
         if mode not in rules.SHARED_MODES or table is None or not table.nodes.size:
             continue
-        kept = _FragRows.of(state, layout, table, masks, request, mode, ctx.mix, owned)
+        kept = _FragRows.of(state, layout, table, ctx.mix, owned)
         free_share[table.nodes] = np.maximum(free_share[table.nodes], kept.free_share)
         d = kept.deltas(state, layout, table, masks, request, mode, ctx)
         delta[table.nodes] = np.minimum(delta[table.nodes], d)
@@ -1861,9 +1896,6 @@ class _FragRows:
         state: ClusterState,
         layout: Layout,
         table: PathTable,
-        masks: _Masks,
-        request: PodRequest,
-        mode: GpuMode,
         mix: frag.TaskMix,
         owned: bool,
     ) -> _FragRows:
@@ -1877,14 +1909,14 @@ class _FragRows:
             if rows is not None:
                 kept._adopt(mix)
                 if rows.size:
-                    free = _free_rows(state, table, masks, request, mode, rows)
+                    free = _free_rows(state, table, rows)
                     kept.free[rows] = free
                     kept.free_share[rows] = frag.pack_key(free)
                     kept._move(rows)
                 kept._roll()
                 kept.clock = clock
                 return kept
-        free = _free_rows(state, table, masks, request, mode, None)
+        free = _free_rows(state, table, None)
         kept = _FragRows(mix, clock, free, frag.parts(free, mix))
         memo["frag_rows"] = kept
         return kept
@@ -1914,13 +1946,18 @@ class _FragRows:
         if len(self.mixes) == 1:
             return
         behind = np.flatnonzero(self.row_gen != self.newest)
-        step = -(-self.row_gen.size // self.ROLL_DECISIONS)
+        step = self.step
         if behind.size and self._shared_parts():  # the same kinds reweighed
             self.row_gen[behind[:step]] = self.newest
         elif behind.size:
             self._move(behind[:step])
         if behind.size <= step:
             self.mixes = {self.newest: self.mixes[self.newest]}
+
+    @property
+    def step(self) -> int:
+        """Rows a decision moves to the newest mix, and a kind's kept deltas follow."""
+        return -(-self.row_gen.size // self.ROLL_DECISIONS)
 
     def _shared_parts(self) -> bool:
         return all(p is self.mixes[self.newest][1] for _, p in self.mixes.values())
@@ -1979,7 +2016,7 @@ class _FragRows:
         found = self._deltas.get(key)
         rows = None if found is None else _changed_rows(state, layout, table, found[0])
         if found is None or rows is None:
-            d = _row_deltas(state, table, masks, request, mode, at, self, None)
+            d = _row_deltas(state, table, masks, request, at, self, None)
             if len(self._deltas) >= self._MAX_KINDS:
                 self._deltas.clear()
             gens = self.row_gen.copy()
@@ -1987,15 +2024,15 @@ class _FragRows:
             _, gens, d = found
             moved = np.flatnonzero(gens != self.row_gen)  # rows that moved to a newer mix
             if moved.size:
-                rows = np.union1d(rows, moved)
-                gens[moved] = self.row_gen[moved]
+                rows = np.union1d(rows, moved[: self.step])
             if rows.size:
-                d[rows] = _row_deltas(state, table, masks, request, mode, at, self, rows)
+                d[rows] = _row_deltas(state, table, masks, request, at, self, rows)
+                gens[rows] = self.row_gen[rows]
         self._deltas[key] = (state.usage_clock, gens, d)
         if tight is None or not tight.size:
             return d
         d = d.copy()
-        d[tight] = _row_deltas(state, table, masks, request, mode, ctx, self, tight)
+        d[tight] = _row_deltas(state, table, masks, request, ctx, self, tight)
         return d
 
     def _tight(self, table: PathTable, ctx: _Frag) -> I64:
@@ -2026,38 +2063,32 @@ def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: 
     return None if rows.size * 4 > table.nodes.size else rows
 
 
-def _sub_path(
-    state: ClusterState,
-    table: PathTable,
-    masks: _Masks,
-    request: PodRequest,
-    mode: GpuMode,
-    rows: I64 | None,
-) -> tuple[_Path, I64]:
-    """A ``_Path`` over ``rows`` of ``table`` (all when None), and those rows."""
-    if rows is None:
-        path = _Path(state, table, masks, request, mode=mode, scratch=Scratch(), memo=None)
-        return path, np.arange(table.nodes.size)
-    sub = _TableRows.of(table, table.nodes[rows])
-    assert sub is not None
-    segs = table.nodes[rows]
-    path = _Path(
-        state, sub, masks, request, mode=mode, scratch=Scratch(), memo=None, full=table, segs=segs
+def _row_columns(
+    state: ClusterState, table: PathTable, masks: _Masks | None, rows: I64 | None
+) -> tuple[_Columns, I64]:
+    """Capacities, usable GPUs (``_usable``; the table's with no ``masks``) and usage of
+    ``rows`` of ``table`` (all when None), and those rows: what the fragmentation rule reads,
+    gathered directly (a ``_Path`` over a few rows costs several times more)."""
+    sel: I64 | slice = slice(None) if rows is None else rows
+    at = np.arange(table.nodes.size) if rows is None else rows
+    idx = table.idx[sel]
+    g = state.gpus
+    cap = rules.Amounts(table.slots[sel], table.mem[sel], table.cores[sel])
+    used = rules.Amounts(
+        np.take(g.used_slots, idx, mode="clip"),
+        np.take(g.used_mem, idx, mode="clip"),
+        np.take(g.used_cores, idx, mode="clip"),
     )
-    return path, rows
+    ok = table.ok[sel]
+    if masks is not None:
+        ok = _usable(state, ok, table.type_id[sel], idx, masks, None)
+    return _Columns(cap, ok, used), at
 
 
-def _free_rows(
-    state: ClusterState,
-    table: PathTable,
-    masks: _Masks,
-    request: PodRequest,
-    mode: GpuMode,
-    rows: I64 | None,
-) -> F64:
+def _free_rows(state: ClusterState, table: PathTable, rows: I64 | None) -> F64:
     """Each GPU's free share in ``rows`` of ``table`` (all when None), NaN where no GPU."""
-    path, at = _sub_path(state, table, masks, request, mode, rows)
-    return _Frag.free(table.ok[at], path._core_columns(None))
+    cols, _ = _row_columns(state, table, None, rows)
+    return _Frag.free(cols.ok, cols)
 
 
 def _row_deltas(
@@ -2065,14 +2096,13 @@ def _row_deltas(
     table: PathTable,
     masks: _Masks,
     request: PodRequest,
-    mode: GpuMode,
     ctx: _Frag,
     kept: _FragRows,
     rows: I64 | None,
 ) -> F64:
     """The delta of the pod's placement on ``rows`` of ``table`` (all when None; inf where it
     has no room), each row under the mix its parts are (``_FragRows.groups``)."""
-    path, at = _sub_path(state, table, masks, request, mode, rows)
+    cols, at = _row_columns(state, table, masks, rows)
     nodes = table.nodes[at]
     free = kept.free[at]
     cpu, mem = ctx.cpu_left[nodes], ctx.mem_left[nodes]
@@ -2088,8 +2118,8 @@ def _row_deltas(
             return out
 
     else:
-        cols = path._core_columns(None)
-        fit, req_mem, _ = path._core_fit(c, cols, work=False)
+        mutex = request.gpu_policy.mutex
+        fit, req_mem, _ = _shared_fit(c, cols, min_cores=table.min_cores, mutex=mutex)
         take = _Frag.take(cols, req_mem, c)
         place = frag.node_deltas if c.count == 1 else frag.placement_delta
 

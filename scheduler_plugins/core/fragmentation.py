@@ -216,6 +216,13 @@ def free_share(
     return np.clip(free, 0.0, 1.0)
 
 
+def _filled(free: F64) -> F64:
+    """``free`` with -1 where there is no GPU (NaN): free shares are in [0, 1], so ``fmax``
+    does it (a tenth of what ``nan_to_num`` costs on a few nodes' GPUs)."""
+    out: F64 = np.fmax(free, -1.0)
+    return out
+
+
 class Parts(NamedTuple):
     """Per node, what its fragmentation is made of (``parts``)."""
 
@@ -227,7 +234,7 @@ class Parts(NamedTuple):
 def parts(free: F64, mix: TaskMix) -> Parts:
     """``free`` [..., W]: per GPU its free share, NaN where there is no GPU. Depends on the
     GPUs and the mix only (not on a pod): a caller may keep it per node between pods."""
-    f = np.nan_to_num(free, nan=-1.0)
+    f = _filled(free)
     has = f >= 0.0
     fz = np.where(has, f, 0.0)
     fits = f[..., None] >= mix.share - _EPS  # [..., W, K]
@@ -269,7 +276,7 @@ class Delta(NamedTuple):
 def room_for(free: F64, share: float) -> B:
     """Where a device of ``share`` has room by ``fragmentation``'s measure (the engine passes
     its exact fit instead)."""
-    room: B = np.nan_to_num(free, nan=-1.0) >= share - _EPS
+    room: B = _filled(free) >= share - _EPS
     return room
 
 
@@ -287,7 +294,7 @@ def device_deltas(
     GPU (by default ``pod.share``; a device asking memory in MiB takes a different share of
     GPUs of different sizes). Only that GPU's terms change, so each is evaluated from the
     node's sums without rebuilding them."""
-    f = np.nan_to_num(free, nan=-1.0)
+    f = _filled(free)
     share = pod.share if take is None else take
     base = parts(free, mix)
     before = _stranded(base, cpu_left, mem_left, mix)
@@ -328,7 +335,7 @@ def node_deltas(
     per-node prefix sums, [N, kinds] work instead of [N, W, kinds]. ``node_parts``: ``parts``
     of ``free`` when the caller keeps them."""
     n, w = free.shape
-    f = np.nan_to_num(free, nan=-1.0).ravel()  # per GPU, flat: no [N, 1] broadcasts below
+    f = _filled(free).ravel()  # per GPU, flat: no [N, 1] broadcasts below
     share = np.broadcast_to(
         np.asarray(pod.share if take is None else take, np.float64), free.shape
     ).ravel()
@@ -421,7 +428,7 @@ def placement_delta(
         d = each[np.arange(n), col]
         columns[:, 0] = np.where(np.isfinite(d), col, -1)
         return Delta(d, columns)
-    f = np.nan_to_num(free, nan=-1.0)
+    f = _filled(free)
     share = np.broadcast_to(np.asarray(pod.share if take is None else take, np.float64), f.shape)
     # tightest first, ties to the highest index: sort by (free, -column)
     key = np.where(room, f, np.inf) - np.arange(w) * 1e-12
@@ -472,7 +479,7 @@ def node_score(delta: F64, free_share: F64) -> F64:
 def pack_key(free: F64) -> F64:
     """Within equal scores, the node with the least free GPU share (as a share of its GPUs)
     first: lower is better."""
-    f = np.nan_to_num(free, nan=-1.0)
+    f = _filled(free)
     has = f >= 0.0
     count = np.maximum(has.sum(axis=1), 1)
     out: F64 = np.where(has, f, 0.0).sum(axis=1) / count

@@ -273,6 +273,40 @@ def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.Mo
     assert d.score.tolist() == pytest.approx(want.score.tolist())
 
 
+def test_a_kind_asked_again_after_a_move_catches_up_a_step_per_decision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kind of request not asked while the rows moved to a new mix follows them a step of
+    rows per decision too (never every row at once), its other rows scored as under the mix
+    before until then; once caught up, its scores are those of a fresh computation."""
+    names = [f"n{i:03d}" for i in range(480)]
+    st = state(**{n: (three_gpus(n), 64000) for n in names})
+    for n in names[:4]:
+        st.assume(_held(n, f"{n}-0", 500, 50, 1000))
+    other, req = request("o", 60), request("q", 30)
+    decide(st, req)  # q's deltas kept under the first mix
+    first = st.task_mix()
+    for i in range(16):
+        n = names[100 + i % 2]
+        st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000))
+    assert st.task_mix() is not first
+    for _ in range(32):  # every row moves while only another kind is asked
+        decide(st, other)
+    recomputed = count_recomputed_rows(monkeypatch)
+    step = -(-len(names) // 32)
+    total = 0
+    for _ in range(32):
+        recomputed.clear()
+        decide(st, req)
+        assert len(recomputed) == 1 and recomputed[0] <= step + 2  # + the two changed nodes
+        total += recomputed[0]
+    assert total == len(names)  # each row once
+    recomputed.clear()
+    d = decide(st, req)
+    assert recomputed == []
+    assert d.score.tolist() == pytest.approx(fresh(st, req).score.tolist())
+
+
 def test_pods_differing_only_in_cpu_share_the_kept_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where CPU and memory are plenty, a pod's delta does not depend on them: a pod asking
     other CPU than the last, same GPU request, recomputes only the nodes where its CPU can
