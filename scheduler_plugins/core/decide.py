@@ -1852,7 +1852,7 @@ def _fragmentation_scores(
             continue
         kept = _FragRows.of(state, layout, table, ctx.mix, owned)
         free_share[table.nodes] = np.maximum(free_share[table.nodes], kept.free_share)
-        d = kept.deltas(state, layout, table, masks, request, mode, ctx)
+        d = kept.deltas(state, table, masks, request, mode, ctx)
         delta[table.nodes] = np.minimum(delta[table.nodes], d)
     delta = np.where(np.isfinite(delta), delta, 0.0)  # a node without shared GPUs: nothing
     score[segs] = frag.node_score(delta[segs], free_share[segs])
@@ -1878,6 +1878,7 @@ class _FragRows:
 
     def __init__(self, mix: frag.TaskMix, clock: int, free: F64, parts: frag.Parts) -> None:
         self.clock = clock
+        self.changed_at = np.full(free.shape[0], clock, np.int64)  # [P] usage clock, last change
         self.free = free
         self.free_share = frag.pack_key(free)  # [P] the node's mean free share
         self.newest = 0  # generation of the newest mix
@@ -1909,6 +1910,7 @@ class _FragRows:
             if rows is not None:
                 kept._adopt(mix)
                 if rows.size:
+                    kept.changed_at[rows] = clock
                     free = _free_rows(state, table, rows)
                     kept.free[rows] = free
                     kept.free_share[rows] = frag.pack_key(free)
@@ -1980,7 +1982,6 @@ class _FragRows:
     def deltas(
         self,
         state: ClusterState,
-        layout: Layout,
         table: PathTable,
         masks: _Masks,
         request: PodRequest,
@@ -2014,7 +2015,7 @@ class _FragRows:
             masks.blocked,
         )
         found = self._deltas.get(key)
-        rows = None if found is None else _changed_rows(state, layout, table, found[0])
+        rows = None if found is None else self._stale(*found[:2])
         if found is None or rows is None:
             d = _row_deltas(state, table, masks, request, at, self, None)
             if len(self._deltas) >= self._MAX_KINDS:
@@ -2022,9 +2023,6 @@ class _FragRows:
             gens = self.row_gen.copy()
         else:
             _, gens, d = found
-            moved = np.flatnonzero(gens != self.row_gen)  # rows that moved to a newer mix
-            if moved.size:
-                rows = np.union1d(rows, moved[: self.step])
             if rows.size:
                 d[rows] = _row_deltas(state, table, masks, request, at, self, rows)
                 gens[rows] = self.row_gen[rows]
@@ -2034,6 +2032,17 @@ class _FragRows:
         d = d.copy()
         d[tight] = _row_deltas(state, table, masks, request, ctx, self, tight)
         return d
+
+    def _stale(self, clock: int, gens: I64) -> I64 | None:
+        """The rows of kept deltas computed at usage ``clock``, row generations ``gens``, to
+        recompute: those pods changed since, and a step of those still under an older mix
+        than their row; None when a quarter of the rows or more (recompute them all)."""
+        stale = self.changed_at > clock
+        lag = gens != self.row_gen
+        if lag.any():
+            stale[np.flatnonzero(lag & ~stale)[: self.step]] = True
+        rows = np.flatnonzero(stale)
+        return None if rows.size * 4 > stale.size else rows
 
     def _tight(self, table: PathTable, ctx: _Frag) -> I64:
         """The rows where CPU or memory left after the pod is below the most some kind of a
