@@ -1751,23 +1751,28 @@ def _fragmentation_applies(request: PodRequest) -> bool:
     )
 
 
+def _host_left(state: ClusterState, nodes: I64) -> tuple[F64, F64]:
+    """CPU and memory left on ``nodes`` (the state's node indices; inf where the node's
+    allocatable is unknown)."""
+    cpu_alloc, mem_alloc = state.node_cpu_alloc[nodes], state.node_mem_alloc[nodes]
+    cpu = np.where(cpu_alloc > 0, cpu_alloc - state.node_cpu_req[nodes], np.inf)
+    mem = np.where(mem_alloc > 0, mem_alloc - state.node_mem_req[nodes], np.inf)
+    return cpu, mem
+
+
 @dataclass(frozen=True)
 class _Frag:
     """The fragmentation rule's view of one decision (``core.fragmentation``): the workload
-    the cluster holds, each segment's CPU and memory left (inf where its allocatable is
-    unknown), and the pod's shape."""
+    the cluster holds, the pod's shape, and where to read segments' CPU and memory left
+    (``left``; the rows kept between decisions keep their own)."""
 
     mix: frag.TaskMix
-    cpu_left: F64  # [S]
-    mem_left: F64  # [S]
     shape: frag.Shape
+    state: ClusterState
+    node_idx: I64  # [S] the state's node index of each segment
 
     @staticmethod
     def of(state: ClusterState, layout: Layout, request: PodRequest) -> _Frag:
-        at = layout.node_idx
-        cpu_alloc, mem_alloc = state.node_cpu_alloc[at], state.node_mem_alloc[at]
-        cpu_left = np.where(cpu_alloc > 0, cpu_alloc - state.node_cpu_req[at], np.inf)
-        mem_left = np.where(mem_alloc > 0, mem_alloc - state.node_mem_req[at], np.inf)
         c = request.containers[0] if request.containers else None
         shape = frag.pod_shape(
             request.cpu_milli,
@@ -1775,7 +1780,11 @@ class _Frag:
             c.count if c is not None else 0,
             max(c.cores / 100, c.mem_percent / 100) if c is not None else 0.0,
         )
-        return _Frag(state.task_mix(), cpu_left, mem_left, shape)
+        return _Frag(state.task_mix(), shape, state, layout.node_idx)
+
+    def left(self, segments: I64) -> tuple[F64, F64]:
+        """CPU and memory left on ``segments`` (``_host_left``)."""
+        return _host_left(self.state, self.node_idx[segments])
 
     @staticmethod
     def free(ok: B, cols: _Columns) -> F64:
@@ -1809,10 +1818,11 @@ class _Frag:
         GPUs (all of them count for the workload); ``fit``: those that can take the device."""
         free = self.free(ok, cols)
         if c.count == 1:
+            cpu, mem = self.left(segments)
             d = frag.device_deltas(
                 free,
-                self.cpu_left[segments],
-                self.mem_left[segments],
+                cpu,
+                mem,
                 self.mix,
                 self.shape,
                 fit,
@@ -1842,21 +1852,40 @@ def _fragmentation_scores(
     (``_FragRows``) and recomputed where pods changed a node since."""
     S = len(layout.names)
     score = np.zeros(S)
-    segs = np.flatnonzero(feasible)
-    delta = np.full(S, np.inf)
-    if not segs.size:
+    if not feasible.any():
+        return score, np.full(S, np.inf)
+    shared = [
+        (mode, table)
+        for mode, table in layout.tables()
+        if mode in rules.SHARED_MODES and table is not None and table.nodes.size
+    ]
+    if len(shared) == 1:  # the common case: each kind keeps its rows' scores too
+        mode, table = shared[0]
+        kept = _FragRows.of(state, layout, table, ctx.mix, owned)
+        d, s = kept.deltas(state, table, masks, request, mode, ctx)
+        delta = np.zeros(S)
+        delta[table.nodes] = d
+        delta[~np.isfinite(delta)] = 0.0
+        score.fill(_NO_SHARED_SCORE)
+        score[table.nodes] = s
+        score[~feasible] = 0.0
         return score, delta
+    delta = np.full(S, np.inf)
     free_share = np.zeros(S)  # of the node's GPUs (of the shared paths)
-    for mode, table in layout.tables():
-        if mode not in rules.SHARED_MODES or table is None or not table.nodes.size:
-            continue
+    for mode, table in shared:
         kept = _FragRows.of(state, layout, table, ctx.mix, owned)
         free_share[table.nodes] = np.maximum(free_share[table.nodes], kept.free_share)
-        d = kept.deltas(state, table, masks, request, mode, ctx)
+        d, _ = kept.deltas(state, table, masks, request, mode, ctx)
         delta[table.nodes] = np.minimum(delta[table.nodes], d)
     delta = np.where(np.isfinite(delta), delta, 0.0)  # a node without shared GPUs: nothing
+    segs = np.flatnonzero(feasible)
     score[segs] = frag.node_score(delta[segs], free_share[segs])
     return score, delta
+
+
+_NO_SHARED_SCORE = float(frag.node_score(np.zeros(1), np.zeros(1))[0])
+"""The fragmentation score of a node without shared GPUs the pod fits (delta 0, no free
+share)."""
 
 
 class _FragRows:
@@ -1876,16 +1905,25 @@ class _FragRows:
     _MAX_KINDS = 64
     ROLL_DECISIONS = 32
 
-    def __init__(self, mix: frag.TaskMix, clock: int, free: F64, parts: frag.Parts) -> None:
+    def __init__(
+        self,
+        mix: frag.TaskMix,
+        clock: int,
+        free: F64,
+        parts: frag.Parts,
+        left: tuple[F64, F64],
+    ) -> None:
         self.clock = clock
         self.changed_at = np.full(free.shape[0], clock, np.int64)  # [P] usage clock, last change
         self.free = free
         self.free_share = frag.pack_key(free)  # [P] the node's mean free share
+        self.cpu_left, self.mem_left = left  # [P] ``_host_left`` of each row's node
         self.newest = 0  # generation of the newest mix
         self.mixes: dict[int, tuple[frag.TaskMix, frag.Parts]] = {0: (mix, parts)}
         self.row_gen = np.zeros(free.shape[0], np.int64)  # [P] the mix each row is under
-        # per kind of request: the usage clock and row generations it was computed at
-        self._deltas: dict[tuple[Any, ...], tuple[int, I64, F64]] = {}
+        # per kind of request: the usage clock and row generations it was computed at, its
+        # delta and node score on each row
+        self._deltas: dict[tuple[Any, ...], tuple[int, I64, F64, F64]] = {}
 
     @property
     def mix(self) -> frag.TaskMix:
@@ -1911,6 +1949,8 @@ class _FragRows:
                 kept._adopt(mix)
                 if rows.size:
                     kept.changed_at[rows] = clock
+                    nodes = layout.node_idx[table.nodes[rows]]
+                    kept.cpu_left[rows], kept.mem_left[rows] = _host_left(state, nodes)
                     free = _free_rows(state, table, rows)
                     kept.free[rows] = free
                     kept.free_share[rows] = frag.pack_key(free)
@@ -1919,7 +1959,8 @@ class _FragRows:
                 kept.clock = clock
                 return kept
         free = _free_rows(state, table, None)
-        kept = _FragRows(mix, clock, free, frag.parts(free, mix))
+        left = _host_left(state, layout.node_idx[table.nodes])
+        kept = _FragRows(mix, clock, free, frag.parts(free, mix), left)
         memo["frag_rows"] = kept
         return kept
 
@@ -1987,8 +2028,9 @@ class _FragRows:
         request: PodRequest,
         mode: GpuMode,
         ctx: _Frag,
-    ) -> F64:
-        """[P] per row, the delta of the pod's placement there (inf where it has no room).
+    ) -> tuple[F64, F64]:
+        """[P] per row, the delta of the pod's placement there (inf where it has no room),
+        and the node score of that delta (``_scores``).
 
         Kept per kind of request (its devices, CPU, memory and GPU selectors), recomputed
         where nodes changed or moved to a newer mix since. A pod's CPU and memory change its
@@ -1997,7 +2039,7 @@ class _FragRows:
         CPU or memory. So pods that differ only in CPU and memory share one kept row set,
         and each recomputes its tight rows; a pod tight on many nodes keeps its own."""
         pod = ctx.shape
-        tight = self._tight(table, ctx) if pod.cpu_milli or pod.memory_bytes else None
+        tight = self._tight(ctx) if pod.cpu_milli or pod.memory_bytes else None
         if tight is not None and tight.size * 8 > table.nodes.size:
             tight = None  # its own kept rows
         at = ctx if tight is None else replace(ctx, shape=replace(pod, cpu_milli=0, memory_bytes=0))
@@ -2018,20 +2060,29 @@ class _FragRows:
         rows = None if found is None else self._stale(*found[:2])
         if found is None or rows is None:
             d = _row_deltas(state, table, masks, request, at, self, None)
+            score = self._scores(d, None)
             if len(self._deltas) >= self._MAX_KINDS:
                 self._deltas.clear()
             gens = self.row_gen.copy()
         else:
-            _, gens, d = found
+            _, gens, d, score = found
             if rows.size:
                 d[rows] = _row_deltas(state, table, masks, request, at, self, rows)
+                score[rows] = self._scores(d[rows], rows)
                 gens[rows] = self.row_gen[rows]
-        self._deltas[key] = (state.usage_clock, gens, d)
+        self._deltas[key] = (state.usage_clock, gens, d, score)
         if tight is None or not tight.size:
-            return d
-        d = d.copy()
+            return d, score
+        d, score = d.copy(), score.copy()
         d[tight] = _row_deltas(state, table, masks, request, ctx, self, tight)
-        return d
+        score[tight] = self._scores(d[tight], tight)
+        return d, score
+
+    def _scores(self, d: F64, rows: I64 | None) -> F64:
+        """``fragmentation.node_score`` of deltas ``d`` on ``rows`` (all when None): a row
+        without room scores as delta 0, as in ``_fragmentation_scores``."""
+        share = self.free_share if rows is None else self.free_share[rows]
+        return frag.node_score(np.where(np.isfinite(d), d, 0.0), share)
 
     def _stale(self, clock: int, gens: I64) -> I64 | None:
         """The rows of kept deltas computed at usage ``clock``, row generations ``gens``, to
@@ -2044,14 +2095,13 @@ class _FragRows:
         rows = np.flatnonzero(stale)
         return None if rows.size * 4 > stale.size else rows
 
-    def _tight(self, table: PathTable, ctx: _Frag) -> I64:
+    def _tight(self, ctx: _Frag) -> I64:
         """The rows where CPU or memory left after the pod is below the most some kind of a
         mix the rows are under asks."""
         cpu = max(float(m.cpu.max()) for m, _ in self.mixes.values())
         mem = max(float(m.memory.max()) for m, _ in self.mixes.values())
-        at = table.nodes
-        short = ctx.cpu_left[at] - ctx.shape.cpu_milli < cpu
-        short |= ctx.mem_left[at] - ctx.shape.memory_bytes < mem
+        short = self.cpu_left - ctx.shape.cpu_milli < cpu
+        short |= self.mem_left - ctx.shape.memory_bytes < mem
         rows: I64 = np.flatnonzero(short)
         return rows
 
@@ -2112,9 +2162,8 @@ def _row_deltas(
     """The delta of the pod's placement on ``rows`` of ``table`` (all when None; inf where it
     has no room), each row under the mix its parts are (``_FragRows.groups``)."""
     cols, at = _row_columns(state, table, masks, rows)
-    nodes = table.nodes[at]
     free = kept.free[at]
-    cpu, mem = ctx.cpu_left[nodes], ctx.mem_left[nodes]
+    cpu, mem = kept.cpu_left[at], kept.mem_left[at]
     c = request.containers[0] if request.containers else None
     pod = ctx.shape
     if c is None:  # only the CPU and memory change
