@@ -1645,6 +1645,9 @@ def _reasons(
     segs = np.flatnonzero(infeasible & considered)
     if not segs.size:
         return out
+    # Which checks fail never depends on the fragmentation rule's order of GPUs (it orders
+    # those of one-container pods, found wherever enough GPUs fit): evaluate without it.
+    masks = replace(masks, frag=None)
     # The layout's work arrays when no decision holds them now (explanations come after).
     owned = layout.scratch.acquire()
     try:

@@ -321,3 +321,25 @@ def test_pods_differing_only_in_cpu_share_the_kept_rows(monkeypatch: pytest.Monk
     assert recomputed == [1]  # n00: 4 cores, 2 left after b, under the 3 the mix's kind asks
     want = fresh(st, b)
     assert d.score.tolist() == pytest.approx(want.score.tolist())
+
+
+def test_why_a_node_is_refused_does_not_depend_on_the_fragmentation_rule() -> None:
+    """The reasons of refused nodes are the checks that failed, whatever order the policy
+    tries GPUs in: the fragmentation policy's explanation names the same ones as binpack's
+    (and skips the rule's per-GPU deltas, which decide nothing there)."""
+    st = state(
+        full=(two_gpus("full"), 16000),
+        tight=(two_gpus("tight"), 16000),
+        free=(two_gpus("free"), 16000),
+    )
+    for uuid in ("full-0", "full-1"):
+        st.assume(_held("full", uuid, 1000, 100, 1000))
+    st.assume(_held("tight", "tight-0", 800, 20, 1000))
+    st.assume(_held("tight", "tight-1", 900, 10, 1000))
+    for pct in (30, 100):
+        frag_d = decide(st, request(f"f{pct}", pct))
+        binpack_d = decide(st, request(f"b{pct}", pct, annotations={POLICY: "binpack"}))
+        assert frag_d.preference.policy is Policy.FRAGMENTATION
+        assert frag_d.reasons.tolist() == binpack_d.reasons.tolist()
+        assert frag_d.reasons[frag_d.node_index("full")] != 0
+        assert frag_d.reasons[frag_d.node_index("tight")] != 0
