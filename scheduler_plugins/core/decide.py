@@ -2182,10 +2182,11 @@ def _row_deltas(
         mutex = request.gpu_policy.mutex
         fit, req_mem, _ = _shared_fit(c, cols, min_cores=table.min_cores, mutex=mutex)
         take = _Frag.take(cols, req_mem, c)
-        place = frag.node_deltas if c.count == 1 else frag.placement_delta
+        several = c.count > 1
 
         def one(sel: B | slice, mix: frag.TaskMix, here: frag.Parts) -> F64:
-            return place(free[sel], cpu[sel], mem[sel], mix, pod, fit[sel], take[sel], here).delta
+            args = (free[sel], cpu[sel], mem[sel], mix, pod, fit[sel], take[sel], here)
+            return frag.placement_delta(*args).delta if several else frag.node_best(*args)
 
     groups = kept.groups(at)
     if len(groups) == 1:

@@ -334,11 +334,44 @@ def node_deltas(
     f' more too small). With the kinds by share, each GPU's F after is three ranges of
     per-node prefix sums, [N, kinds] work instead of [N, W, kinds]. ``node_parts``: ``parts``
     of ``free`` when the caller keeps them."""
+    each = _gpu_deltas(free, cpu_left, mem_left, mix, pod, room, take, node_parts)
+    col = last_min(each)
+    d = each[np.arange(each.shape[0]), col]
+    return Delta(d, np.where(np.isfinite(d), col, -1)[:, None].astype(np.int64))
+
+
+def node_best(
+    free: F64,
+    cpu_left: F64,
+    mem_left: F64,
+    mix: TaskMix,
+    pod: Shape,
+    room: B,
+    take: F64 | float | None = None,
+    node_parts: Parts | None = None,
+) -> F64:
+    """``node_deltas(...).delta`` without the GPUs (what ranking nodes needs)."""
+    out: F64 = _gpu_deltas(free, cpu_left, mem_left, mix, pod, room, take, node_parts).min(axis=1)
+    return out
+
+
+def _gpu_deltas(
+    free: F64,
+    cpu_left: F64,
+    mem_left: F64,
+    mix: TaskMix,
+    pod: Shape,
+    room: B,
+    take: F64 | float | None,
+    node_parts: Parts | None,
+) -> F64:
+    """[N, W] ``device_deltas`` by ``node_deltas``'s prefix sums."""
     n, w = free.shape
     f = _filled(free).ravel()  # per GPU, flat: no [N, 1] broadcasts below
-    share = np.broadcast_to(
-        np.asarray(pod.share if take is None else take, np.float64), free.shape
-    ).ravel()
+    share = np.asarray(pod.share if take is None else take, np.float64)
+    if share.shape != free.shape:
+        share = np.broadcast_to(share, free.shape)
+    share = share.ravel()
     p = parts(free, mix) if node_parts is None else node_parts
     wk = mix.weight[:, None]
     k = len(mix.weight)
@@ -350,43 +383,42 @@ def node_deltas(
     h_b = ok_after & (room_k - 1 >= mix.gpus[:, None])  # kinds it stops fitting
     total = p.total[None, :]
     # the per-kind terms times the kind's weight, summed over kinds at once: a0 - t*a1 where
-    # the GPU's fit does not change, b0 + f'*b2 - t*b1 where it stops fitting
-    terms = np.zeros((5, k + 1, n))
+    # the GPU's fit does not change, b0 + f'*b2 - t*b1 where it stops fitting; the last
+    # row sums the weights alone (the kinds a GPU is too small for before)
+    terms = np.zeros((6, k + 1, n))
     np.multiply(wk, np.where(h_a, small, total), out=terms[0, 1:])
     np.multiply(wk, ~h_a, out=terms[1, 1:])
     np.multiply(wk, np.where(h_b, small, total), out=terms[2, 1:])
     np.multiply(wk, ~h_b, out=terms[3, 1:])
     np.multiply(wk, h_b, out=terms[4, 1:])
+    terms[5, 1:] = wk
     if n < _ROW_SUMS:
         np.cumsum(terms, axis=1, out=terms)
     else:  # a row of nodes at a time: cumsum's inner loop would stride across nodes
         for j in range(1, k + 1):
             terms[:, j] += terms[:, j - 1]
-    pre = terms.reshape(5, -1)
-    pw = np.concatenate(([0.0], np.cumsum(mix.weight)))
+    pre = terms.reshape(6, -1)
     thresholds = mix.share - _EPS
     left = f - share
     node = np.repeat(np.arange(n), w)
     i1 = np.searchsorted(thresholds, left, side="right")  # kinds the GPU still fits after
     i2 = np.searchsorted(thresholds, f, side="right")  # kinds it fits before
-    at1, at2 = i1 * n + node, i2 * n + node
-    a0_1, a1_1, b0_1, b1_1, b2_1 = (np.take(pre[t], at1) for t in range(5))
-    a0_2, b0_2, b1_2, b2_2 = (np.take(pre[t], at2) for t in (0, 2, 3, 4))
-    a0_k = pre[0, k * n :][node]
+    g1 = pre[:, i1 * n + node]  # [6, N*W] the prefix sums up to each range's bounds
+    g2 = pre[:, i2 * n + node]
+    last = pre[:, k * n + node]
+    between = g2 - g1
     after = (
-        a0_1
-        - share * a1_1
-        + (b0_2 - b0_1)
-        + left * (b2_2 - b2_1)
-        - share * (b1_2 - b1_1)
-        + (a0_k - a0_2)
-        - share * (pw[k] - pw[i2])
+        g1[0]
+        - share * g1[1]
+        + between[2]
+        + left * between[4]
+        - share * between[3]
+        + (last[0] - g2[0])
+        - share * (last[5] - g2[5])
     )
     after -= _stranded(p, cpu_left, mem_left, mix)[node]
-    each = np.where(room.ravel(), after, np.inf).reshape(n, w)
-    col = last_min(each)
-    d = each[np.arange(n), col]
-    return Delta(d, np.where(np.isfinite(d), col, -1)[:, None].astype(np.int64))
+    each: F64 = np.where(room.ravel(), after, np.inf).reshape(n, w)
+    return each
 
 
 def last_min(values: F64) -> I64:
@@ -508,6 +540,7 @@ __all__ = [
     "free_share",
     "last_min",
     "mix_noise",
+    "node_best",
     "node_deltas",
     "node_score",
     "pack_key",

@@ -67,15 +67,15 @@ def fresh(st: ClusterState, req: PodRequest) -> Any:
 
 
 def count_recomputed_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows each later one-device delta computation takes (``node_deltas``)."""
+    """The rows each later one-device delta computation takes (``node_best``)."""
     recomputed: list[int] = []
-    real = fr.node_deltas
+    real = fr.node_best
 
-    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> fr.Delta:
+    def counted(free: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
         recomputed.append(free.shape[0])
         return real(free, *args, **kwargs)
 
-    monkeypatch.setattr(fr, "node_deltas", counted)
+    monkeypatch.setattr(fr, "node_best", counted)
     return recomputed
 
 

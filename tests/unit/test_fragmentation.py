@@ -232,6 +232,7 @@ def test_node_deltas_are_the_best_gpus(
     room = fr.room_for(free, pod.share)
     each = fr.device_deltas(free, cpu, mem, mix, pod, room)
     got = fr.node_deltas(free, cpu, mem, mix, pod, room)
+    assert fr.node_best(free, cpu, mem, mix, pod, room).tolist() == got.delta.tolist()
     best = each.min(axis=1)
     fits = np.isfinite(best)
     assert got.delta[fits] == pytest.approx(best[fits], abs=1e-9)
