@@ -63,6 +63,7 @@ class Batch:
     bound: dict[str, float] = field(default_factory=dict)
     allocated: dict[str, float] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
+    running: dict[str, float] = field(default_factory=dict)
     done_at: float = 0.0
 
     @property
@@ -70,11 +71,12 @@ class Batch:
         return [p.name for p in self.pods]
 
     def collect(self, watch: PodTimes) -> None:
-        bound, allocated, nodes = watch.snapshot()
+        bound, allocated, nodes, running = watch.snapshot()
         names = set(self.names)
         self.bound = {n: t for n, t in bound.items() if n in names}
         self.allocated = {n: t for n, t in allocated.items() if n in names}
         self.nodes = {n: v for n, v in nodes.items() if n in names}
+        self.running = {n: t for n, t in running.items() if n in names}
 
 
 def create_batch(
@@ -135,15 +137,17 @@ def wait_batch(
     timeout_s: float,
     progress: Progress,
     clock: Callable[[], float] = time.monotonic,
+    wait_running: bool = False,
 ) -> None:
     """Until every pod is bound (and, with ``wait_allocated``, every bound GPU pod has its
-    node agent's answer), or nothing changed for ``settle_s`` after the last create, or
+    node agent's answer; with ``wait_running``, every bound pod but those whose allocation
+    failed runs), or nothing changed for ``settle_s`` after the last create, or
     ``timeout_s``."""
     total = len(batch.pods)
     gpu = {p.name for p in batch.pods if p.gpus}
     start = clock()
     last_change = start
-    seen = (-1, -1)
+    seen = (-1, -1, -1)
     looked = start - LOOK_INTERVAL_S
     while True:
         time.sleep(max(0.0, looked + LOOK_INTERVAL_S - clock()))
@@ -153,17 +157,20 @@ def wait_batch(
         failed = watch.failed & gpu
         bound = len(batch.bound)
         answered = len((batch.allocated.keys() | failed) & gpu & batch.bound.keys())
+        running = len((batch.running.keys() | failed) & batch.bound.keys())
         now = clock()
         rate = bound / (now - start) if now > start else 0.0
         progress.update(
             bound, f"created {len(batch.sent)}  bound {bound}  {rate:.0f}/s  allocated {answered}"
         )
-        if (bound, answered) != seen:
-            seen = (bound, answered)
+        if (bound, answered, running) != seen:
+            seen = (bound, answered, running)
             last_change = now
         gpu_bound = len(gpu & batch.bound.keys())
-        complete = bound + len(batch.create_errors) >= total and (
-            not wait_allocated or answered >= gpu_bound
+        complete = (
+            bound + len(batch.create_errors) >= total
+            and (not wait_allocated or answered >= gpu_bound)
+            and (not wait_running or running >= bound)
         )
         if not feeding and complete:
             break

@@ -297,6 +297,10 @@ def _drain_section(result: Json) -> list[str]:
         "schedulers are kube-scheduler's code at `-v 2`), else when the bench's watch showed",
         "it. *watched pods/s*: the same from the watch, which trails the commits by as much",
         "as the cluster's pod event stream is behind (*watch lag*: at the last binding).",
+        "*CPU ms per pod*, and the API requests below, count from the scheduler's start until",
+        "every bound pod runs (kwok writes a pod's status after its binding) and, for",
+        "Tessera, its node agent answered: what the pods cost the cluster, not only the part",
+        "done before the last binding.",
         "",
         *_table(
             [
@@ -534,9 +538,9 @@ def _requests_section(result: Json, top: int = 8) -> list[str]:
         "## API requests per bound pod",
         "",
         "From the apiserver's `apiserver_request_total`, every client together (scheduler,",
-        "plugin server, node agent, kwok), during the queue drain (no creates in it; the",
-        "streamed workload when there was no drain). *Watch events sent*: its",
-        "`apiserver_watch_events_total`, every watcher's copy counted (drain only).",
+        "plugin server, node agent, kwok), during the queue drain until every pod runs (no",
+        "creates in it; the streamed workload when there was no drain). *Watch events sent*:",
+        "its `apiserver_watch_events_total`, every watcher's copy counted (drain only).",
         "",
         *_table(["nodes", "scheduler", "request", "count", "per bound pod"], rows),
     ]

@@ -284,6 +284,9 @@ def _drain(
         b,
         feeder,
         wait_allocated=scheduler.kind is SchedulerKind.TESSERA,
+        # the CPU and API figures count everything the pods cost the cluster: kwok writes
+        # a pod's status after its binding, behind a stock scheduler's fast drain
+        wait_running=True,
         settle_s=opts.settle_s,
         timeout_s=opts.scenario_timeout_s,
         progress=Progress(title, len(pods), enabled=opts.progress),

@@ -2,8 +2,9 @@
 
 ``creationTimestamp`` has one-second resolution, so latencies are measured on this process's
 monotonic clock: the runner records when it sent each create, and ``PodTimes`` when the watch
-first showed the pod bound (``spec.nodeName``) and, for Tessera, when the node agent finished
-(``hami.io/bind-phase: success``).
+first showed the pod bound (``spec.nodeName``), for Tessera when the node agent finished
+(``hami.io/bind-phase: success``), and when it ran (``status.phase: Running``, kwok's status
+write on the fake nodes).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PodTimes:
         self._changed = threading.Condition(self._lock)
         self.bound_at: dict[str, float] = {}
         self.allocated_at: dict[str, float] = {}
+        self.running_at: dict[str, float] = {}
         self.failed: set[str] = set()
         self.node_of: dict[str, str] = {}
         self.live: set[str] = set()
@@ -62,10 +64,17 @@ class PodTimes:
         with self._lock:
             return len(self.bound_at), len(self.allocated_at)
 
-    def snapshot(self) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
-        """Copies of (bound_at, allocated_at, node_of)."""
+    def snapshot(
+        self,
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, str], dict[str, float]]:
+        """Copies of (bound_at, allocated_at, node_of, running_at)."""
         with self._lock:
-            return dict(self.bound_at), dict(self.allocated_at), dict(self.node_of)
+            return (
+                dict(self.bound_at),
+                dict(self.allocated_at),
+                dict(self.node_of),
+                dict(self.running_at),
+            )
 
     def live_names(self) -> set[str]:
         with self._lock:
@@ -94,6 +103,8 @@ class PodTimes:
                 if node:
                     self.bound_at.setdefault(name, now)
                     self.node_of[name] = str(node)
+                if (pod.get("status") or {}).get("phase") == "Running":
+                    self.running_at.setdefault(name, now)
                 phase = (meta.get("annotations") or {}).get(ann.BIND_PHASE)
                 if phase == "success":
                     self.allocated_at.setdefault(name, now)
