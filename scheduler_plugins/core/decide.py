@@ -2169,7 +2169,22 @@ def _row_deltas(
     cpu, mem = kept.cpu_left[at], kept.mem_left[at]
     c = request.containers[0] if request.containers else None
     pod = ctx.shape
-    if c is None:  # only the CPU and memory change
+    fit: B | None = None
+    take: F64 | None = None
+    alike: list[npt.NDArray[Any]] = [free, cpu, mem, kept.row_gen[at]]
+    if c is not None:
+        mutex = request.gpu_policy.mutex
+        fit, req_mem, _ = _shared_fit(c, cols, min_cores=table.min_cores, mutex=mutex)
+        take = _Frag.take(cols, req_mem, c)
+        alike += [fit, take]
+    # rows alike (a young cluster's empty nodes of one model, say) computed once
+    distinct = _distinct_rows(alike) if at.size >= _DISTINCT_FROM else None
+    if distinct is not None:
+        first = distinct[0]
+        at, free, cpu, mem = at[first], free[first], cpu[first], mem[first]
+        if fit is not None and take is not None:
+            fit, take = fit[first], take[first]
+    if fit is None or take is None:  # only the CPU and memory change
 
         def one(sel: B | slice, mix: frag.TaskMix, here: frag.Parts) -> F64:
             f, cl, ml = free[sel], cpu[sel], mem[sel]
@@ -2179,22 +2194,44 @@ def _row_deltas(
             return out
 
     else:
-        mutex = request.gpu_policy.mutex
-        fit, req_mem, _ = _shared_fit(c, cols, min_cores=table.min_cores, mutex=mutex)
-        take = _Frag.take(cols, req_mem, c)
-        several = c.count > 1
+        several = c is not None and c.count > 1
+        room, share = fit, take
 
         def one(sel: B | slice, mix: frag.TaskMix, here: frag.Parts) -> F64:
-            args = (free[sel], cpu[sel], mem[sel], mix, pod, fit[sel], take[sel], here)
+            args = (free[sel], cpu[sel], mem[sel], mix, pod, room[sel], share[sel], here)
             return frag.placement_delta(*args).delta if several else frag.node_best(*args)
 
     groups = kept.groups(at)
     if len(groups) == 1:
-        return one(*groups[0])
-    out = np.empty(at.size)
-    for sel, mix, here in groups:
-        out[sel] = one(sel, mix, here)
-    return out
+        out = one(*groups[0])
+    else:
+        out = np.empty(at.size)
+        for sel, mix, here in groups:
+            out[sel] = one(sel, mix, here)
+    return out if distinct is None else out[distinct[1]]
+
+
+_DISTINCT_FROM = 256
+"""From this many rows on, ``_row_deltas`` computes rows alike once."""
+
+_ROW_KEY = np.random.default_rng(20240601).uniform(0.5, 1.5, 64)
+
+
+def _distinct_rows(columns: Sequence[npt.NDArray[Any]]) -> tuple[I64, I64] | None:
+    """Where the rows of ``columns`` (each [n] or [n, w]) repeat: the first row of each
+    distinct one and each row's index among those; None when more than half of them are
+    distinct (not worth it). Rows are told apart by a random projection of their values,
+    then checked equal to the row standing for them, so rows that only project alike are
+    never merged (None then too)."""
+    n = columns[0].shape[0]
+    sig = np.concatenate([np.asarray(a, np.float64).reshape(n, -1) for a in columns], axis=1)
+    if sig.shape[1] > _ROW_KEY.size:
+        return None
+    sig = np.nan_to_num(sig, nan=-1.0, posinf=1e300, neginf=-1e300)
+    _, first, inverse = np.unique(sig @ _ROW_KEY[: sig.shape[1]], True, True)
+    if first.size * 2 > n or not np.array_equal(sig, sig[first[inverse]]):
+        return None
+    return first.astype(np.int64), inverse.astype(np.int64).ravel()
 
 
 def _node_scores(state: ClusterState, layout: Layout) -> F64:

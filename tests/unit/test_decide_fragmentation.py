@@ -10,6 +10,7 @@ import pytest
 
 from api.hami.config import DeviceConfig
 from api.hami.policy import Policy
+from scheduler_plugins.core import decide as decide_module
 from scheduler_plugins.core import fragmentation as fr
 from scheduler_plugins.core import ranking
 from scheduler_plugins.core.decide import _FragRows, decide
@@ -343,3 +344,34 @@ def test_why_a_node_is_refused_does_not_depend_on_the_fragmentation_rule() -> No
         assert frag_d.reasons.tolist() == binpack_d.reasons.tolist()
         assert frag_d.reasons[frag_d.node_index("full")] != 0
         assert frag_d.reasons[frag_d.node_index("tight")] != 0
+
+
+def test_rows_alike_are_computed_once_and_score_as_each_would() -> None:
+    """Nodes alike (same free shares, CPU, memory, fit and mix: a young cluster's empty
+    nodes) share one delta computation; every node scores as computed on its own."""
+    names = [f"n{i:03d}" for i in range(300)]
+    st = state(**{n: (three_gpus(n), 64000) for n in names})
+    for i, n in enumerate(names[:6]):
+        st.assume(_held(n, f"{n}-{i % 3}", 100 * (i + 1), 10 * (i + 1), 1000))
+    req = request("q", 30)
+    merged = fresh(st, req)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(decide_module, "_DISTINCT_FROM", 10**9)
+        alone = fresh(st, req)
+    assert merged.score.tolist() == alone.score.tolist()
+    assert merged.delta is not None and alone.delta is not None
+    assert merged.delta.tolist() == alone.delta.tolist()
+
+
+def test_distinct_rows_are_merged_only_when_equal() -> None:
+    a = np.array([[0.5, 1.0], [0.5, 1.0], [0.2, 1.0], [0.5, 1.0]])
+    b = np.array([3.0, 3.0, 3.0, 3.0])
+    found = decide_module._distinct_rows([a, b])
+    assert found is not None
+    first, inverse = found
+    assert first.tolist() == [2, 0] or first.tolist() == [0, 2]
+    assert [a[first][j].tolist() for j in inverse] == a.tolist()
+    assert decide_module._distinct_rows([np.arange(4.0)]) is None  # all distinct
+    with pytest.MonkeyPatch.context() as m:  # every row projects alike: checked, not merged
+        m.setattr(decide_module, "_ROW_KEY", np.zeros(64))
+        assert decide_module._distinct_rows([a, b]) is None
