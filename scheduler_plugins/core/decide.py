@@ -2109,6 +2109,9 @@ class _FragRows:
         return rows
 
 
+_FEW_CHANGES = 16
+
+
 def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: int) -> I64 | None:
     """The rows of ``table`` whose node pods changed since ``clock``; None when too many (or
     too long ago) to refresh them one by one: a quarter of the rows (a refresh of a quarter
@@ -2118,8 +2121,13 @@ def _changed_rows(state: ClusterState, layout: Layout, table: PathTable, clock: 
         return None
     if not changed:
         return np.zeros(0, np.int64)
-    segs = np.unique(layout.seg_of_row[np.array(changed, np.int64)])
-    segs = segs[segs >= 0]
+    if len(changed) <= _FEW_CHANGES:  # a set beats numpy's unique on a few rows
+        segs = np.array(sorted({int(s) for s in layout.seg_of_row[changed] if s >= 0}), np.int64)
+    else:
+        segs = np.unique(layout.seg_of_row[np.array(changed, np.int64)])
+        segs = segs[segs >= 0]
+    if not segs.size:
+        return np.zeros(0, np.int64)
     at = np.minimum(np.searchsorted(table.nodes, segs), table.nodes.size - 1)
     rows: I64 = at[table.nodes[at] == segs]
     return None if rows.size * 4 > table.nodes.size else rows

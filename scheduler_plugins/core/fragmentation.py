@@ -234,10 +234,8 @@ class Parts(NamedTuple):
 def parts(free: F64, mix: TaskMix) -> Parts:
     """``free`` [..., W]: per GPU its free share, NaN where there is no GPU. Depends on the
     GPUs and the mix only (not on a pod): a caller may keep it per node between pods."""
-    f = _filled(free)
-    has = f >= 0.0
-    fz = np.where(has, f, 0.0)
-    fits = f[..., None] >= mix.share - _EPS  # [..., W, K]
+    fz = np.fmax(free, 0.0)  # no GPU: 0 free, which no kind fits (every share is > 0)
+    fits = fz[..., None] >= mix.share - _EPS  # [..., W, K]
     small = (fz[..., None] * ~fits).sum(axis=-2)
     return Parts(fz.sum(axis=-1), small, fits.sum(axis=-2).astype(np.float64))
 
@@ -511,10 +509,8 @@ def node_score(delta: F64, free_share: F64) -> F64:
 def pack_key(free: F64) -> F64:
     """Within equal scores, the node with the least free GPU share (as a share of its GPUs)
     first: lower is better."""
-    f = _filled(free)
-    has = f >= 0.0
-    count = np.maximum(has.sum(axis=1), 1)
-    out: F64 = np.where(has, f, 0.0).sum(axis=1) / count
+    count = np.maximum((free == free).sum(axis=1), 1)  # the GPUs (NaN: none)
+    out: F64 = np.fmax(free, 0.0).sum(axis=1) / count
     return out
 
 
