@@ -2008,18 +2008,20 @@ class _FragRows:
     def _shared_parts(self) -> bool:
         return all(p is self.mixes[self.newest][1] for _, p in self.mixes.values())
 
-    def groups(self, at: I64) -> list[tuple[B | slice, frag.TaskMix, frag.Parts]]:
-        """``at``'s rows by the mix they are under: (which of ``at``, the mix, its parts at
-        those rows)."""
+    def groups(self, at: I64 | None) -> list[tuple[B | slice, frag.TaskMix, frag.Parts]]:
+        """``at``'s rows (all when None) by the mix they are under: (which of them, the
+        mix, its parts at those rows)."""
         if len(self.mixes) == 1:
             mix, p = self.mixes[self.newest]
+            if at is None:
+                return [(slice(None), mix, p)]
             return [(slice(None), mix, frag.Parts(p.total[at], p.small[at], p.room[at]))]
-        gens = self.row_gen[at]
+        gens = self.row_gen if at is None else self.row_gen[at]
         out: list[tuple[B | slice, frag.TaskMix, frag.Parts]] = []
         for g, (mix, p) in self.mixes.items():
             sel = gens == g
             if sel.any():
-                rows = at[sel]
+                rows = np.flatnonzero(sel) if at is None else at[sel]
                 out.append((sel, mix, frag.Parts(p.total[rows], p.small[rows], p.room[rows])))
         return out
 
@@ -2209,7 +2211,7 @@ def _row_deltas(
             args = (free[sel], cpu[sel], mem[sel], mix, pod, room[sel], share[sel], here)
             return frag.placement_delta(*args).delta if several else frag.node_best(*args)
 
-    groups = kept.groups(at)
+    groups = kept.groups(None if rows is None and distinct is None else at)
     if len(groups) == 1:
         out = one(*groups[0])
     else:

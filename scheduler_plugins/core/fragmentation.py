@@ -381,27 +381,26 @@ def _gpu_deltas(
     h_b = ok_after & (room_k - 1 >= mix.gpus[:, None])  # kinds it stops fitting
     total = p.total[None, :]
     # the per-kind terms times the kind's weight, summed over kinds at once: a0 - t*a1 where
-    # the GPU's fit does not change, b0 + f'*b2 - t*b1 where it stops fitting; the last
-    # row sums the weights alone (the kinds a GPU is too small for before)
-    terms = np.zeros((6, k + 1, n))
+    # the GPU's fit does not change, b0 + f'*b2 - t*b1 where it stops fitting (b2, the
+    # weights where it still hosts the kind, is the weights' sum, the last row, less b1)
+    terms = np.zeros((5, k + 1, n))
     np.multiply(wk, np.where(h_a, small, total), out=terms[0, 1:])
     np.multiply(wk, ~h_a, out=terms[1, 1:])
     np.multiply(wk, np.where(h_b, small, total), out=terms[2, 1:])
     np.multiply(wk, ~h_b, out=terms[3, 1:])
-    np.multiply(wk, h_b, out=terms[4, 1:])
-    terms[5, 1:] = wk
+    terms[4, 1:] = wk
     if n < _ROW_SUMS:
         np.cumsum(terms, axis=1, out=terms)
     else:  # a row of nodes at a time: cumsum's inner loop would stride across nodes
         for j in range(1, k + 1):
             terms[:, j] += terms[:, j - 1]
-    pre = terms.reshape(6, -1)
+    pre = terms.reshape(5, -1)
     thresholds = mix.share - _EPS
     left = f - share
     node = np.repeat(np.arange(n), w)
     i1 = np.searchsorted(thresholds, left, side="right")  # kinds the GPU still fits after
     i2 = np.searchsorted(thresholds, f, side="right")  # kinds it fits before
-    g1 = pre[:, i1 * n + node]  # [6, N*W] the prefix sums up to each range's bounds
+    g1 = pre[:, i1 * n + node]  # [5, N*W] the prefix sums up to each range's bounds
     g2 = pre[:, i2 * n + node]
     last = pre[:, k * n + node]
     between = g2 - g1
@@ -409,10 +408,10 @@ def _gpu_deltas(
         g1[0]
         - share * g1[1]
         + between[2]
-        + left * between[4]
+        + left * (between[4] - between[3])
         - share * between[3]
         + (last[0] - g2[0])
-        - share * (last[5] - g2[5])
+        - share * (last[4] - g2[4])
     )
     after -= _stranded(p, cpu_left, mem_left, mix)[node]
     each: F64 = np.where(room.ravel(), after, np.inf).reshape(n, w)
