@@ -722,6 +722,14 @@ class ClusterState:
         self._drop(alloc.key)
         self._add(alloc.key, alloc, assumed=True)
 
+    def confirm(self, key: str) -> None:
+        """The pod's own record now shows the devices its assumed reservation counts: the
+        same devices, counted once already, so nothing's usage changes (no row is marked
+        changed for the decisions' kept work); only ``forget`` no longer drops it."""
+        rec = self._records.get(key)
+        if rec is not None:
+            rec.assumed = False
+
     def forget(self, key: str) -> bool:
         """Drop an assumed reservation (idempotent); a confirmed one is kept."""
         rec = self._records.get(key)

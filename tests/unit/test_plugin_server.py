@@ -608,8 +608,13 @@ def test_reservation_is_replaced_by_the_pods_own_record_when_the_watch_shows_it(
     written = dict(h.prebind("p", "n").annotations)
     seen = json.loads(json.dumps(pod))
     seen["metadata"]["annotations"].update(written)
+    clock = h.cache.state.usage_clock
     h.cache.apply_pod(seen)
     assert not h.cache.state.is_assumed("default/p")
+    assert h.cache.state.usage_snapshot() == assumed
+    # Confirmed in place: no GPU row counts as changed, so kept decision work stays valid.
+    assert h.cache.state.usage_clock == clock
+    assert not h.cache.state.forget("default/p")  # a confirmed record is no longer dropped
     assert h.cache.state.usage_snapshot() == assumed
 
 
