@@ -50,7 +50,7 @@ from api.hami.catalog import find_model
 from api.hami.config import DeviceConfig
 from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, NODE_REGISTER
 from api.hami.register import decode
-from api.kube.client import KubeClient
+from api.kube.client import KubeClient, modified_pod_head
 from api.kube.errors import ApiError, ConflictError, NotFoundError
 from api.kube.objects import annotations_of, pod_key
 from api.kube.reflector import Reflector, WatchStream
@@ -134,6 +134,7 @@ class PodIndex:
         # key -> the last few versions' uid and annotations: what a writer read may be a
         # step behind the newest.
         self._history: dict[str, OrderedDict[str, Mapping[str, Any]]] = {}
+        self.echoes = 0  # watch events ``holds`` kept from being decoded
 
     def offer(self, pod: Mapping[str, Any]) -> bool:
         """Keep ``pod`` unless a newer version (or its deletion) is already known."""
@@ -198,6 +199,24 @@ class PodIndex:
     def get(self, key: str) -> Obj | None:
         with self._lock:
             return self._pods.get(key)
+
+    def holds(self, line: bytes) -> bool:
+        """Whether a raw watch event is a pod's MODIFIED version this index already holds
+        (or an older one, or one older than the pod's deletion): ``offer`` would ignore it,
+        so it need not be decoded. In practice the echo of this process's own patch, whose
+        answer went into the index first and whose writer goes on from it. Counted in
+        ``echoes``."""
+        head = modified_pod_head(line)
+        if head is None:
+            return False
+        key, version = head
+        with self._lock:
+            pod = self._pods.get(key)
+            held = _version(pod) if pod is not None else self._deleted_at.get(key)
+            if held is None or version > held:
+                return False
+            self.echoes += 1
+            return True
 
     def metadata_at(self, key: str, resource_version: str) -> Mapping[str, Any] | None:
         """The pod's uid and annotations as they were at ``resource_version``, if still
@@ -304,10 +323,13 @@ def guarded_ops(pod: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> list
 class BoundPods:
     """The pod collection as the agents' reflector lists and watches it: only pods bound to
     a node (``BOUND_PODS``), so the apiserver sends, and the agents decode, a pod's events
-    from its binding on."""
+    from its binding on; ``skip`` (``PodIndex.holds``) keeps the events of versions the
+    index holds already from being decoded. A skipped event does not advance the version
+    the reflector resumes from: after a reconnect it may come again and is skipped again."""
 
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(self, kube: KubeClient, skip: Callable[[bytes], bool] | None = None) -> None:
         self._kube = kube
+        self._skip = skip
 
     def list(self, path: str) -> Obj:
         return self._kube.list(path, field_selector=BOUND_PODS)
@@ -316,7 +338,7 @@ class BoundPods:
         self, path: str, resource_version: str | None = None, *, timeout_s: int = 60
     ) -> WatchStream:
         return self._kube.watch(
-            path, resource_version, field_selector=BOUND_PODS, timeout_s=timeout_s
+            path, resource_version, field_selector=BOUND_PODS, timeout_s=timeout_s, skip=self._skip
         )
 
 
@@ -667,7 +689,7 @@ class KwokAgents:
         """List + watch the pods bound to a node (``BoundPods``; relists on 410 Gone, backs
         off on errors); every watch stream that ends also runs the periodic reconcile pass."""
         self._reflector = Reflector(
-            BoundPods(self._kube),
+            BoundPods(self._kube, self.pods.holds),
             "/api/v1/pods",
             on_list=self._listed,
             on_event=self.handle,
@@ -694,6 +716,7 @@ class KwokAgents:
             nodes = [n for n in self._nodes.values() if n is not None]
         for node in nodes:
             node.backend.shutdown()
+        log.info("kwok.node_agents_stopped", nodes=len(nodes), echoes_not_decoded=self.pods.echoes)
 
     def __enter__(self) -> KwokAgents:
         self.start()

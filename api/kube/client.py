@@ -25,6 +25,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -421,8 +422,10 @@ class KubeClient:
         label_selector: str | None = None,
         timeout_s: int = 60,
         bookmarks: bool = True,
+        skip: Callable[[bytes], bool] | None = None,
     ) -> Watch:
-        """Open a watch stream; iterate it for events, close it (or leave its ``with``)."""
+        """Open a watch stream; iterate it for events, close it (or leave its ``with``).
+        ``skip``: events whose raw line it is true of are neither decoded nor yielded."""
         query: dict[str, str] = {"watch": "1", "timeoutSeconds": str(int(timeout_s))}
         if resource_version is not None:
             query["resourceVersion"] = resource_version
@@ -443,7 +446,7 @@ class KubeClient:
             text = resp.read().decode(errors="replace")
             conn.close()
             raise _error_for("GET", path, resp.status, text)
-        return Watch(path, conn, resp)
+        return Watch(path, conn, resp, skip)
 
     def probe(self, path: str) -> tuple[int, str]:
         """(status, body) of a GET, for health endpoints; never raises on HTTP errors."""
@@ -578,6 +581,25 @@ class KubeClient:
 
 
 _WATCH_READ: Final = 1 << 16
+# The head of a pod's MODIFIED watch event as the apiserver writes it: the event's type,
+# the object's kind and apiVersion, then ObjectMeta in its field order (name, generateName
+# when set, namespace, uid, resourceVersion). Inside a JSON string a quote is escaped, so
+# the captured values cannot run past their own strings; names with escapes do not match.
+_MODIFIED_POD_HEAD: Final = re.compile(
+    rb'\{"type":"MODIFIED","object":\{"kind":"Pod","apiVersion":"v1","metadata":\{'
+    rb'"name":"([^"\\]+)",(?:"generateName":"[^"\\]*",)?"namespace":"([^"\\]+)",'
+    rb'"uid":"[^"\\]+","resourceVersion":"(\d+)"'
+)
+
+
+def modified_pod_head(line: bytes) -> tuple[str, int] | None:
+    """``("namespace/name", resourceVersion)`` of a pod's MODIFIED watch event, read from
+    its raw line without decoding it; None for any other event or a line not in the
+    apiserver's own shape (such a line is decoded as usual)."""
+    m = _MODIFIED_POD_HEAD.match(line)
+    if m is None:
+        return None
+    return f"{m.group(2).decode()}/{m.group(1).decode()}", int(m.group(3))
 
 
 class Watch:
@@ -589,11 +611,17 @@ class Watch:
     """
 
     def __init__(
-        self, path: str, conn: http.client.HTTPSConnection, resp: http.client.HTTPResponse
+        self,
+        path: str,
+        conn: http.client.HTTPSConnection,
+        resp: http.client.HTTPResponse,
+        skip: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.path = path
         self._conn = conn
         self._resp = resp
+        self._skip = skip
+        self.skipped = 0  # events ``skip`` kept from being decoded
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._reading = False
@@ -617,14 +645,19 @@ class Watch:
                         return
                     raise UnreachableError(f"watch {self.path} broke: {e!r}") from e
                 if not data:
-                    if rest.strip():
+                    if rest.strip() and not (self._skip is not None and self._skip(rest)):
                         yield self._event(rest)
                     return
                 lines = (rest + data).split(b"\n") if rest else data.split(b"\n")
                 rest = lines.pop()
+                skip = self._skip
                 for line in lines:
-                    if line.strip():
-                        yield self._event(line)
+                    if not line.strip():
+                        continue
+                    if skip is not None and skip(line):
+                        self.skipped += 1
+                        continue
+                    yield self._event(line)
         finally:
             self._closed.set()
             with self._lock:

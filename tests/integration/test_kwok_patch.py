@@ -87,3 +87,30 @@ def test_an_unknown_version_falls_back_to_the_whole_object_precondition(
     api.merge_patch(f"{path}/status", {"status": {"phase": "Running"}})
     with pytest.raises(ConflictError):
         _patch(papi, pod, {PHASE: "success"}, pod["metadata"]["resourceVersion"])
+
+
+def test_the_watch_echo_of_its_own_patch_is_not_decoded(
+    api: KubeClient, pod: dict[str, Any]
+) -> None:
+    """The agents' watch reads the head of each event as this apiserver writes it: the
+    MODIFIED event of the version the patch answer put in the index is skipped, a later
+    write's is decoded."""
+    index = PodIndex()
+    index.offer(pod)
+    papi = IndexedPodApi(api, index)
+    name = pod["metadata"]["name"]
+    ours = _patch(papi, pod, {TODO: ";", PHASE: "success"}, pod["metadata"]["resourceVersion"])
+    theirs = api.merge_patch(f"{PODS}/{name}/status", {"status": {"phase": "Running"}})
+    with api.watch(
+        PODS,
+        pod["metadata"]["resourceVersion"],
+        field_selector=f"metadata.name={name}",
+        timeout_s=10,
+        skip=index.holds,
+    ) as w:
+        first = next(e for e in w if e["type"] != "BOOKMARK")
+        skipped = w.skipped
+    assert first["type"] == "MODIFIED"
+    assert first["object"]["metadata"]["resourceVersion"] == theirs["metadata"]["resourceVersion"]
+    assert skipped == 1 and index.echoes == 1
+    assert ours["metadata"]["resourceVersion"] != theirs["metadata"]["resourceVersion"]

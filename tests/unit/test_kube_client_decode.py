@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api.kube.client import KubeClient
+from api.kube.client import KubeClient, modified_pod_head
 from api.kube.errors import InvalidResponseError
 from tests.local_https import serve_https
 
@@ -103,3 +103,68 @@ def test_what_is_not_json_is_named(url: tuple[str, Path]) -> None:
         ):
             for _ in w:
                 pass
+
+
+def _pod_event(typ: str, meta: str, kind: str = "Pod") -> bytes:
+    return (
+        f'{{"type":"{typ}","object":{{"kind":"{kind}","apiVersion":"v1","metadata":{{{meta}'
+        ',"labels":{"resourceVersion":"1"}},"spec":{}}}'
+    ).encode()
+
+
+_META = '"name":"p-1","namespace":"ns","uid":"u-1","resourceVersion":"42"'
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        (_pod_event("MODIFIED", _META), ("ns/p-1", 42)),
+        (
+            _pod_event(
+                "MODIFIED",
+                '"name":"w-x","generateName":"w-","namespace":"ns","uid":"u","resourceVersion":"7"',
+            ),
+            ("ns/w-x", 7),
+        ),
+        (_pod_event("ADDED", _META), None),  # only a MODIFIED version can be one held already
+        (_pod_event("DELETED", _META), None),
+        (_pod_event("MODIFIED", _META, kind="Node"), None),
+        # a field order the apiserver does not write, and a name with an escape: decoded
+        (
+            _pod_event("MODIFIED", '"namespace":"ns","name":"p","uid":"u","resourceVersion":"4"'),
+            None,
+        ),
+        (
+            _pod_event(
+                "MODIFIED", '"name":"p\\"","namespace":"ns","uid":"u","resourceVersion":"4"'
+            ),
+            None,
+        ),
+        (
+            _pod_event("MODIFIED", '"name":"p","namespace":"ns","uid":"u","resourceVersion":"x4"'),
+            None,
+        ),
+        (b' {"type":"MODIFIED"}', None),
+        (b"", None),
+    ],
+)
+def test_a_modified_pod_events_head_is_read_without_decoding(
+    line: bytes, want: tuple[str, int] | None
+) -> None:
+    assert modified_pod_head(line) == want
+
+
+def test_watch_skips_the_events_its_skip_names_however_the_chunks_cut_them(
+    url: tuple[str, Path],
+) -> None:
+    seen: list[bytes] = []
+
+    def skip(line: bytes) -> bool:
+        seen.append(line)
+        return len(seen) == 2  # the second event, whole although cut across chunks
+
+    want = {"type": "MODIFIED", "object": json.loads(POD)}
+    with KubeClient(url[0], "t", url[1]) as api, api.watch("/watch-cut", skip=skip) as w:
+        assert list(w) == [want, want]
+        assert w.skipped == 1
+    assert seen == [EVENT, EVENT, EVENT]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -25,7 +26,27 @@ def pod(name: str, rv: int, node: str = "n1", **annotations: str) -> dict[str, A
     }
 
 
+def modified(p: dict[str, Any]) -> bytes:
+    """A MODIFIED watch event of ``p`` as the apiserver writes it (compact, kind first)."""
+    obj = {"kind": "Pod", "apiVersion": "v1", **p}
+    return json.dumps({"type": "MODIFIED", "object": obj}, separators=(",", ":")).encode()
+
+
 # PodIndex --------------------------------------------------------------------------------------
+
+
+def test_index_holds_the_versions_it_has_or_older_and_counts_what_it_spares() -> None:
+    idx = PodIndex()
+    idx.offer(pod("a", 5))
+    assert idx.holds(modified(pod("a", 5)))  # the echo of a write whose answer is indexed
+    assert idx.holds(modified(pod("a", 4)))
+    assert not idx.holds(modified(pod("a", 6)))  # newer: decoded and offered
+    assert not idx.holds(modified(pod("b", 1)))  # not indexed
+    added = modified(pod("a", 5)).replace(b'"MODIFIED"', b'"ADDED"')
+    assert not idx.holds(added)
+    idx.delete(pod("a", 8))
+    assert idx.holds(modified(pod("a", 7)))  # older than the deletion
+    assert idx.echoes == 3
 
 
 def test_index_keeps_the_newest_version_whatever_the_arrival_order() -> None:
