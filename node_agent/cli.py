@@ -16,9 +16,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Final
 
 from api.hami.config import DeviceConfig, load_config_file
 from api.kube.client import KubeClient
+
+USER_AGENT: Final = "tessera-node-agent"  # how the apiserver's audit log names this client
 
 
 def add_node_agent_commands(
@@ -95,8 +98,8 @@ def _seconds(text: str) -> float:
 
 def _client(args: argparse.Namespace) -> KubeClient:
     if args.kubeconfig:
-        return KubeClient.from_kubeconfig(Path(args.kubeconfig))
-    return KubeClient.in_cluster()
+        return KubeClient.from_kubeconfig(Path(args.kubeconfig), user_agent=USER_AGENT)
+    return KubeClient.in_cluster(user_agent=USER_AGENT)
 
 
 def _stop_on_signals() -> threading.Event:

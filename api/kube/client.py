@@ -61,6 +61,9 @@ SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount
 # How stale a loaded Authorization header may get before the loader is asked again (cheap:
 # an exec plugin runs again only near its token's expiry).
 REFRESH_S: Final = 30.0
+# Each component names itself (``tessera-plugin-server``, ``tessera-node-agent``, ...): the
+# apiserver's audit log tells clients apart by it.
+DEFAULT_USER_AGENT: Final = "tessera"
 
 log = structlog.get_logger("tessera.kube.client")
 
@@ -162,9 +165,12 @@ class KubeClient:
         insecure: bool = False,
         timeout_s: float = 30.0,
         credentials: Credentials | None = None,
+        user_agent: str = DEFAULT_USER_AGENT,
     ) -> None:
-        """``token``: a static one; ``credentials`` (from the loaders) replace it."""
+        """``token``: a static one; ``credentials`` (from the loaders) replace it.
+        ``user_agent``: the component, as the apiserver's audit log and metrics name it."""
         self.server = server
+        self._user_agent = user_agent
         self._host, self._port = _https_host_port(server)
         self._auth = credentials if credentials is not None else Credentials.static(token)
         self._timeout_s = timeout_s
@@ -198,6 +204,7 @@ class KubeClient:
         timeout_s: float = 30.0,
         refresh_s: float = REFRESH_S,
         clock: Clock = time.monotonic,
+        user_agent: str = DEFAULT_USER_AGENT,
     ) -> KubeClient:
         """From a kubeconfig's current context, with the credentials kubectl would use there."""
         from kubernetes.client import Configuration
@@ -236,7 +243,7 @@ class KubeClient:
                 refresh_s=refresh_s,
                 clock=clock,
             )
-        return cls._configured(server, config, credentials, where, timeout_s)
+        return cls._configured(server, config, credentials, where, timeout_s, user_agent)
 
     @classmethod
     def in_cluster(
@@ -247,6 +254,7 @@ class KubeClient:
         timeout_s: float = 30.0,
         refresh_s: float = REFRESH_S,
         clock: Clock = time.monotonic,
+        user_agent: str = DEFAULT_USER_AGENT,
     ) -> KubeClient:
         """From the pod's service account (KUBERNETES_SERVICE_HOST/PORT + mounted token, CA).
 
@@ -280,11 +288,17 @@ class KubeClient:
         credentials = Credentials(
             _header_of(config), renew=reload, reload=reload, refresh_s=refresh_s, clock=clock
         )
-        return cls._configured(str(config.host), config, credentials, where, timeout_s)
+        return cls._configured(str(config.host), config, credentials, where, timeout_s, user_agent)
 
     @classmethod
     def _configured(
-        cls, server: str, config: Any, credentials: Credentials, where: str, timeout_s: float
+        cls,
+        server: str,
+        config: Any,
+        credentials: Credentials,
+        where: str,
+        timeout_s: float,
+        user_agent: str,
     ) -> KubeClient:
         """A client with the TLS material a loaded ``kubernetes.client.Configuration`` names
         (inline data the loader wrote to temp files)."""
@@ -300,6 +314,7 @@ class KubeClient:
                 insecure=not config.verify_ssl,
                 timeout_s=timeout_s,
                 credentials=credentials,
+                user_agent=user_agent,
             )
         except KubeConfigError as e:
             raise KubeConfigError(f"{where}: {e}") from e
@@ -468,7 +483,7 @@ class KubeClient:
     # Wire ----------------------------------------------------------------------------------
 
     def _headers(self, accept: str | None) -> dict[str, str]:
-        headers: dict[str, str] = {}
+        headers: dict[str, str] = {"User-Agent": self._user_agent}
         authorization = self._auth.header()
         if authorization:
             headers["Authorization"] = authorization

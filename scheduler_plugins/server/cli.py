@@ -20,6 +20,7 @@ log = structlog.get_logger("tessera.plugin_server")
 
 IN_CLUSTER = "in-cluster"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9395"  # HAMi's scheduler metrics port
+USER_AGENT = "tessera-plugin-server"  # how the apiserver's audit log names this client
 
 
 def add_plugin_server_commands(
@@ -90,8 +91,8 @@ def _rpc_workers(text: str) -> int:
 
 def _client(kubeconfig: str) -> KubeClient:
     if kubeconfig == IN_CLUSTER:
-        return KubeClient.in_cluster()
-    return KubeClient.from_kubeconfig(Path(kubeconfig))
+        return KubeClient.in_cluster(user_agent=USER_AGENT)
+    return KubeClient.from_kubeconfig(Path(kubeconfig), user_agent=USER_AGENT)
 
 
 def _cmd_plugin_server(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from scheduler_plugins.webhook.rules import HOST_ONLY_EXCLUDE, TESSERA_SCHEDULER
 log = structlog.get_logger("tessera.webhook")
 
 IN_CLUSTER = "in-cluster"
+USER_AGENT: Final = "tessera-webhook"  # how the apiserver's audit log names this client
 
 
 _NAMESPACE_RE: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -211,9 +212,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args, config)
     kube = None
     if args.kubeconfig == IN_CLUSTER:
-        kube = KubeClient.in_cluster()
+        kube = KubeClient.in_cluster(user_agent=USER_AGENT)
     elif args.kubeconfig:
-        kube = KubeClient.from_kubeconfig(Path(args.kubeconfig))
+        kube = KubeClient.from_kubeconfig(Path(args.kubeconfig), user_agent=USER_AGENT)
     done = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

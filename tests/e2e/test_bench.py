@@ -104,9 +104,24 @@ def test_bench_runs_both_schedulers_and_reports(
     assert ("tessera_scheduler_rpc_duration_seconds", "Reserve") in drained
     assert run["phases"]["stock"]["check"] is None
     assert run["ratio"]["throughput"] > 0
+    # The apiserver's audit log names each request's client: the bindings are the
+    # scheduler's, the node agent's allocation patches its own.
+    writes = {
+        name: {
+            (r["client"], r["verb"], r["resource"])
+            for r in phase["drain"]["api_requests_by_client"]
+        }
+        for name, phase in run["phases"].items()
+    }
+    assert ("tessera-scheduler", "create", "pods/binding") in writes["tessera"]
+    assert ("tessera-node-agent", "patch", "pods") in writes["tessera"]
+    assert ("kube-scheduler", "create", "pods/binding") in writes["stock"]
+    assert not any(client.startswith("tessera-node") for client, _, _ in writes["stock"])
+    assert all(p["drain"]["audit_unreadable_lines"] == 0 for p in run["phases"].values())
 
     md = (out / "tiny.md").read_text()
     assert "## Main workload" in md and "![tiny-throughput](tiny-throughput.png)" in md
+    assert "## API requests per bound pod by client" in md
     left = [
         pid
         for exe_dir in (built_tools, Path(sys.executable).parent)

@@ -41,6 +41,13 @@ def url(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            if path == "/user-agent":
+                body = json.dumps({"ua": self.headers.get("User-Agent")}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if path in CHUNKS:
                 self.send_response(200)
                 self.send_header("Transfer-Encoding", "chunked")
@@ -168,3 +175,10 @@ def test_watch_skips_the_events_its_skip_names_however_the_chunks_cut_them(
         assert list(w) == [want, want]
         assert w.skipped == 1
     assert seen == [EVENT, EVENT, EVENT]
+
+
+def test_each_client_names_its_component_in_the_user_agent(url: tuple[str, Path]) -> None:
+    with KubeClient(url[0], "t", url[1]) as api:
+        assert api.get("/user-agent") == {"ua": "tessera"}
+    with KubeClient(url[0], "t", url[1], user_agent="tessera-node-agent") as api:
+        assert api.get("/user-agent") == {"ua": "tessera-node-agent"}

@@ -68,6 +68,11 @@ def add_bench_command(
     )
     p.add_argument("--no-node-concurrency", action="store_true", help="skip that scenario")
     p.add_argument(
+        "--no-audit",
+        action="store_true",
+        help="no apiserver audit log (and no table of the drain's API requests by client)",
+    )
+    p.add_argument(
         "--drain",
         type=float,
         default=0.5,
@@ -200,6 +205,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         profile=load_profile(args.profile) if args.profile else None,
         schedulers=tuple(SchedulerKind(s) for s in args.schedulers),
         node_concurrency=not args.no_node_concurrency,
+        audit=not args.no_audit,
         drain_share=args.drain,
         churn_fraction=args.churn,
         create_workers=args.create_workers,

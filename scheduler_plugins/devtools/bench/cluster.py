@@ -21,6 +21,7 @@ import structlog
 import yaml
 
 from api.hami.policy import Policy
+from scheduler_plugins.devtools.bench import audit
 from scheduler_plugins.devtools.bench.workload import (
     STOCK_SCHEDULER_NAME,
     BenchPod,
@@ -66,10 +67,18 @@ class SchedulerKind(enum.StrEnum):
 
 
 class BenchCluster(Cluster):
-    """A dev cluster whose apiserver does not throttle the benchmark's clients."""
+    """A dev cluster whose apiserver does not throttle the benchmark's clients, and with
+    ``audit`` writes an audit log (``audit.apiserver_flags``) that names each request's
+    client."""
+
+    def __init__(self, settings: ClusterSettings, *, audit: bool = False) -> None:
+        super().__init__(settings)
+        self.audit = audit
 
     def _apiserver_argv(self, pki: Pki) -> list[str]:
-        return [*super()._apiserver_argv(pki), *APISERVER_LOAD_FLAGS]
+        s = self.settings
+        flags = audit.apiserver_flags(s.state_dir, s.log_dir) if self.audit else []
+        return [*super()._apiserver_argv(pki), *APISERVER_LOAD_FLAGS, *flags]
 
     def component_pids(self) -> dict[str, int]:
         """etcd, kube-apiserver and kwok by name (those running)."""

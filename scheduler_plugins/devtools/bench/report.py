@@ -251,6 +251,7 @@ def markdown(result: Json, plots: Sequence[str]) -> str:
     lines += _plugin_section(result)
     lines += _components_section(result)
     lines += _requests_section(result)
+    lines += _clients_section(result)
     lines += _concurrency_section(result)
     lines += _churn_section(result)
     lines += _check_section(result)
@@ -543,6 +544,33 @@ def _requests_section(result: Json, top: int = 8) -> list[str]:
         "its `apiserver_watch_events_total`, every watcher's copy counted (drain only).",
         "",
         *_table(["nodes", "scheduler", "request", "count", "per bound pod"], rows),
+    ]
+
+
+def _clients_section(result: Json, top: int = 12) -> list[str]:
+    rows = []
+    for run, name, ph in _phases(result):
+        for r in ((ph.get("drain") or {}).get("api_requests_by_client") or [])[:top]:
+            rows.append(
+                [
+                    run["nodes"],
+                    name,
+                    r["client"],
+                    f"{r['verb']} {r['resource']}",
+                    r["count"],
+                    r.get("per_pod"),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "## API requests per bound pod by client",
+        "",
+        "From the apiserver's audit log (one event per request, its `userAgent` naming the",
+        "client), over the same window as the table above; the bench's own watch and reads",
+        "are *tessera-bench*. Off with `--no-audit`.",
+        "",
+        *_table(["nodes", "scheduler", "client", "request", "count", "per bound pod"], rows),
     ]
 
 

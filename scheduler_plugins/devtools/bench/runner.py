@@ -29,7 +29,7 @@ from api.errors import TesseraError
 from api.hami.policy import Policy
 from api.kube.client import KubeClient
 from api.kube.errors import ConflictError
-from scheduler_plugins.devtools.bench import procstat
+from scheduler_plugins.devtools.bench import audit, procstat
 from scheduler_plugins.devtools.bench.batches import (
     NAMESPACE,
     Batch,
@@ -76,6 +76,8 @@ CHECK_SETTLE_S: Final = 5.0  # after deleting pods kwok revived, before the inva
 
 Json = dict[str, Any]
 
+USER_AGENT: Final = "tessera-bench"  # how the apiserver's audit log names the benchmark
+
 
 @dataclass(frozen=True)
 class BenchOptions:
@@ -88,6 +90,8 @@ class BenchOptions:
     profile: NodeProfile | None = None  # None: workload.bench_profile()
     schedulers: tuple[SchedulerKind, ...] = (SchedulerKind.TESSERA, SchedulerKind.STOCK)
     node_concurrency: bool = True
+    # The apiserver writes an audit log: API requests of the drain by client (audit.py).
+    audit: bool = True
     drain_share: float = 0.5  # this share of the workload is queued, then drained
     churn_fraction: float = 0.2  # 0: no churn scenario
     create_workers: int = 8
@@ -122,7 +126,7 @@ def run_phase(
             f"the plugin server's socket {socket} would be longer than {MAX_SOCKET_PATH} "
             "characters (the limit of Unix socket paths): choose a shorter --work-dir"
         )
-    cluster = BenchCluster(settings)
+    cluster = BenchCluster(settings, audit=opts.audit)
     scheduler = scheduler_for(kind, webhook=opts.webhook, node_policy=opts.node_policy)
     show = opts.progress
     out: Json = {"scheduler": kind.value, "nodes": node_count, "load_before": _load()}
@@ -137,7 +141,7 @@ def run_phase(
     try:
         info = cluster.up()
         out["cluster_up_s"] = round(time.monotonic() - t0, 2)
-        with KubeClient(info.server, info.token, info.ca_file) as api:
+        with KubeClient(info.server, info.token, info.ca_file, user_agent=USER_AGENT) as api:
             t1 = time.monotonic()
             names = add_nodes(api, profile, node_count)
             wait_ready(api, names, timeout_s=max(300.0, node_count * 0.2))
@@ -219,7 +223,11 @@ def run_phase(
             out["metrics_error"] = sampler.metrics_error
             if isinstance(scheduler, TesseraScheduler):
                 with KubeClient(
-                    info.server, info.token, info.ca_file, timeout_s=SLOW_LIST_TIMEOUT_S
+                    info.server,
+                    info.token,
+                    info.ca_file,
+                    timeout_s=SLOW_LIST_TIMEOUT_S,
+                    user_agent=USER_AGENT,
                 ) as slow:
                     revived = delete_resurrected(slow, marked, "main")
                     if "churn" in out:
@@ -275,6 +283,7 @@ def _drain(
     # Counters before the scheduler starts (nothing asks the plugin server or, for the
     # pods, the apiserver meanwhile): scraping the plugin server's /metrics once the drain
     # runs would take CPU from it and leave the first requests uncounted.
+    window_start = time.time()  # the audit log's clock
     sampler.mark("drain-start", procs=False)
     resumed = time.monotonic()
     scheduler.resume(settings)
@@ -293,6 +302,7 @@ def _drain(
     )
     sampler.mark("drain-end")
     now, mono = time.time(), time.monotonic()
+    by_client = audit.requests_by_client(settings.log_dir, window_start, now)
     committed = committed_in_log(scheduler.log_path(settings), NAMESPACE, b.bound.keys(), now=now)
     out = drain_json(
         b,
@@ -305,6 +315,9 @@ def _drain(
     out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")
     out["scheduling_cycle"] = sampler.cycle_json("drain-start", "drain-end")
     out["nodes_used"] = len({b.nodes[p.name] for p in pods if p.gpus and p.name in b.nodes})
+    if by_client is not None:
+        out["api_requests_by_client"] = by_client.rows(len(b.bound))
+        out["audit_unreadable_lines"] = by_client.unreadable
     return out
 
 
