@@ -395,7 +395,7 @@ class ClusterCache:
             return
         if current == alloc and alloc is not None:
             # Same devices, now confirmed: no usage changes, cached decisions stay exact.
-            self.state.confirm(key)
+            self.state.confirm(alloc)
             return
         self._mutating()
         self.state.upsert_pod(alloc, key)

@@ -722,13 +722,18 @@ class ClusterState:
         self._drop(alloc.key)
         self._add(alloc.key, alloc, assumed=True)
 
-    def confirm(self, key: str) -> None:
-        """The pod's own record now shows the devices its assumed reservation counts: the
-        same devices, counted once already, so nothing's usage changes (no row is marked
-        changed for the decisions' kept work); only ``forget`` no longer drops it."""
-        rec = self._records.get(key)
-        if rec is not None:
-            rec.assumed = False
+    def confirm(self, alloc: PodAllocation) -> None:
+        """The pod's own record ``alloc`` shows the devices its assumed reservation counts:
+        counted once already, so nothing's usage changes (no row is marked changed for the
+        decisions' kept work); the record becomes ``alloc`` (what the pod wrote, its uid)
+        and ``forget`` no longer drops it. Anything else (no such record, other devices or
+        priority) is recorded in full, as ``upsert_pod``."""
+        rec = self._records.get(alloc.key)
+        if rec is None or rec.alloc != alloc or rec.alloc.priority != alloc.priority:
+            self.upsert_pod(alloc, alloc.key)
+            return
+        rec.alloc = alloc
+        rec.assumed = False
 
     def forget(self, key: str) -> bool:
         """Drop an assumed reservation (idempotent); a confirmed one is kept."""

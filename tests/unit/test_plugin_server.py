@@ -612,8 +612,11 @@ def test_reservation_is_replaced_by_the_pods_own_record_when_the_watch_shows_it(
     h.cache.apply_pod(seen)
     assert not h.cache.state.is_assumed("default/p")
     assert h.cache.state.usage_snapshot() == assumed
-    # Confirmed in place: no GPU row counts as changed, so kept decision work stays valid.
+    # Confirmed in place: no GPU row counts as changed, so kept decision work stays valid,
+    # and the record is the pod's own (what it wrote: the metrics' per-container series).
     assert h.cache.state.usage_clock == clock
+    held = h.cache.state.allocation("default/p")
+    assert held is not None and held.devices_written == written[ann.DEVICES_ALLOCATED]
     assert not h.cache.state.forget("default/p")  # a confirmed record is no longer dropped
     assert h.cache.state.usage_snapshot() == assumed
 
