@@ -1,0 +1,195 @@
+"""The plugin server's CPU per pod in one process, without a cluster around it.
+
+The cluster benchmark measures the plugin server's CPU per bound pod on a 2-core machine that
+every component shares, where a change of a tenth of it is lost in run-to-run noise. This
+drives a real ``SchedulerServicer`` over its gRPC Unix socket the way the shim and the watch
+do, on the cluster benchmark's nodes and pods (``tessera bench``'s default profile, mix and
+seed): per GPU pod, on one ``Cycle`` stream as the shim sends them, PreFilter (the shim's
+candidate limit) and Reserve on the best node with the annotations handed over for the
+Binding; then the watch's two events of the pod (bound with those annotations; the node
+agent's ``bind-phase: success``). Nothing else runs, so process CPU per step is the
+server's work plus the gRPC client's share of each message.
+
+    python -m benchmarks.plugin_cost [--nodes 1000] [--pods 3000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+
+import grpc
+
+from api.hami import keys as ann
+from api.hami.config import DeviceConfig
+from api.plugin.v1 import plugin_pb2 as pb
+from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
+from benchmarks.results_io import save_results
+from scheduler_plugins.core.cache import ClusterCache
+from scheduler_plugins.devtools.bench.workload import bench_profile, generate, tessera_manifest
+from scheduler_plugins.devtools.cluster.nodes import node_object, plan
+from scheduler_plugins.server.servicer import SchedulerServicer
+
+CANDIDATES: Final = 100  # the shim's default candidate limit
+NAMESPACE: Final = "bench"
+STEPS: Final = ("prefilter", "reserve", "watch")
+
+
+class NoWrites:
+    """The server's Kubernetes client: a pod handed its annotations at Reserve is written
+    by the shim's Binding, so nothing here may write (or read) through it."""
+
+    def get(self, path: str) -> Any:
+        raise AssertionError(f"unexpected GET {path}")
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any:
+        raise AssertionError(f"unexpected PATCH {path}")
+
+
+def _ref(pod: Mapping[str, Any]) -> pb.PodRef:
+    meta = pod["metadata"]
+    return pb.PodRef(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])
+
+
+def run(nodes: int, pods: int, seed: int = 1) -> dict[str, Any]:
+    """Place the GPU pods of ``pods`` drawn pods on ``nodes`` nodes; CPU per step."""
+    config = DeviceConfig()
+    cache = ClusterCache(config, clock=time.monotonic)
+    now = time.time()
+    for name, group in plan(bench_profile(), nodes, 0):
+        cache.apply_node(node_object(name, group, config, now=now))
+    manifests = []
+    for i, p in enumerate(generate(pods, seed=seed)):
+        if p.gpus:
+            m = tessera_manifest(p, namespace=NAMESPACE, labels={})
+            m["metadata"]["uid"] = f"uid-{i}"
+            manifests.append(m)
+    ready = threading.Event()
+    ready.set()
+    servicer = SchedulerServicer(cache, NoWrites(), ready)
+    cpu = dict.fromkeys(STEPS, 0.0)
+    placed = refused = 0
+    with tempfile.TemporaryDirectory(prefix="pc-", dir="/tmp") as d, ThreadPoolExecutor(8) as ex:
+        server = grpc.server(ex)
+        pb_grpc.add_SchedulerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        sock = Path(d) / "plugin.sock"
+        server.add_insecure_port(f"unix:{sock}")
+        server.start()
+        channel = grpc.insecure_channel(f"unix:{sock}")
+        stub = pb_grpc.SchedulerStub(channel)  # type: ignore[no-untyped-call]
+        calls: queue.Queue[pb.CycleRequest | None] = queue.Queue()
+        answers = stub.Cycle(iter(calls.get, None))  # the shim's one ordered stream
+        try:
+            for rv, pod in enumerate(manifests, start=1):
+                t0 = time.process_time()
+                calls.put(
+                    pb.CycleRequest(
+                        id=2 * rv,
+                        pre_filter=pb.PreFilterRequest(
+                            version=pb.PROTOCOL_VERSION_1,
+                            pod=_ref(pod),
+                            pod_json=json.dumps(pod).encode(),
+                            candidate_nodes=CANDIDATES,
+                        ),
+                    )
+                )
+                answer = next(answers)
+                t1 = time.process_time()
+                cpu["prefilter"] += t1 - t0
+                if answer.code or answer.pre_filter.code != pb.PreFilterResponse.OK:
+                    refused += 1
+                    continue
+                node = answer.pre_filter.feasible_nodes[0]
+                calls.put(
+                    pb.CycleRequest(
+                        id=2 * rv + 1,
+                        reserve=pb.ReserveRequest(
+                            version=pb.PROTOCOL_VERSION_1,
+                            pod=_ref(pod),
+                            node=node,
+                            decision_id=answer.pre_filter.decision_id,
+                            hand_over=True,
+                        ),
+                    )
+                )
+                reserved = next(answers)
+                t2 = time.process_time()
+                cpu["reserve"] += t2 - t1
+                if reserved.code:
+                    raise RuntimeError(f"Reserve of {_ref(pod).name}: {reserved.message}")
+                bound = copy.deepcopy(pod)
+                annotations = bound["metadata"].setdefault("annotations", {})
+                annotations.update(reserved.reserve.annotations)
+                bound["metadata"]["resourceVersion"] = str(2 * rv)
+                bound["spec"]["nodeName"] = node
+                cache.apply_pod(bound)
+                done = copy.deepcopy(bound)
+                done["metadata"]["annotations"][ann.BIND_PHASE] = "success"
+                done["metadata"]["annotations"][ann.DEVICES_TO_ALLOCATE] = ";"
+                done["metadata"]["resourceVersion"] = str(2 * rv + 1)
+                cache.apply_pod(done)
+                cpu["watch"] += time.process_time() - t2
+                placed += 1
+        finally:
+            calls.put(None)
+            channel.close()
+            server.stop(0).wait()
+    per = {k: round(1e3 * v / placed, 3) if placed else None for k, v in cpu.items()}
+    total = round(1e3 * sum(cpu.values()) / placed, 3) if placed else None
+    return {
+        "nodes": nodes,
+        "gpu_pods": len(manifests),
+        "placed": placed,
+        "refused": refused,
+        "assumed_left": sum(
+            1 for m in manifests if cache.state.is_assumed(f"{NAMESPACE}/{m['metadata']['name']}")
+        ),
+        "cpu_ms_per_pod": {**per, "total": total},
+    }
+
+
+def table(results: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "# Plugin server CPU per pod, in process",
+        "",
+        "| nodes | GPU pods | placed | PreFilter ms | Reserve ms | watch ms | total ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r["cpu_ms_per_pod"]
+        lines.append(
+            f"| {r['nodes']} | {r['gpu_pods']} | {r['placed']} | {c['prefilter']} | "
+            f"{c['reserve']} | {c['watch']} | {c['total']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="1000", help="comma-separated node counts")
+    parser.add_argument("--pods", type=int, default=3000, help="pods drawn (GPU pods are placed)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the results here (and .md beside)")
+    args = parser.parse_args(argv)
+    results = [run(int(n), args.pods, args.seed) for n in args.nodes.split(",")]
+    text = table(results)
+    if args.json:
+        save_results(args.json, {"runs": results}, text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
