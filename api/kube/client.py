@@ -660,24 +660,29 @@ class Watch:
                         return
                     raise UnreachableError(f"watch {self.path} broke: {e!r}") from e
                 if not data:
-                    if rest.strip() and not (self._skip is not None and self._skip(rest)):
+                    if self._wanted(rest):
                         yield self._event(rest)
                     return
                 lines = (rest + data).split(b"\n") if rest else data.split(b"\n")
                 rest = lines.pop()
-                skip = self._skip
                 for line in lines:
-                    if not line.strip():
-                        continue
-                    if skip is not None and skip(line):
-                        self.skipped += 1
-                        continue
-                    yield self._event(line)
+                    if self._wanted(line):
+                        yield self._event(line)
         finally:
             self._closed.set()
             with self._lock:
                 self._reading = False
             self._conn.close()
+
+    def _wanted(self, line: bytes) -> bool:
+        """Whether ``line`` is an event to decode: not blank, not one ``skip`` names
+        (counted in ``skipped``)."""
+        if not line.strip():
+            return False
+        if self._skip is not None and self._skip(line):
+            self.skipped += 1
+            return False
+        return True
 
     def _event(self, line: bytes) -> Obj:
         try:
