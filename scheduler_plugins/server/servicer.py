@@ -161,10 +161,28 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def Cycle(
         self, requests: Iterator[pb.CycleRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.CycleResponse]:
-        """The scheduling cycle's calls, answered one at a time in the order they come: a
-        Reserve is counted before the PreFilter sent after it decides."""
+        """The scheduling cycle's calls, answered one at a time in the order they come (a
+        request's ``before`` calls first, answered in its response): a Reserve is counted
+        before the PreFilter sent after it, or with it, decides."""
         for request in requests:
-            yield self._cycle_call(request, context)
+            earlier = [self._cycle_call_alone(call, context) for call in request.before]
+            response = self._cycle_call(request, context)
+            response.before.extend(earlier)
+            response.handles_before = True
+            yield response
+
+    def _cycle_call_alone(
+        self, request: pb.CycleRequest, context: grpc.ServicerContext
+    ) -> pb.CycleResponse:
+        """A call of a request's ``before``: one that has no ``before`` of its own."""
+        if request.before:
+            return pb.CycleResponse(
+                id=request.id,
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                message=f"Cycle request {request.id} is sent in another's before and has "
+                f"{len(request.before)} before calls of its own; nest at most one level",
+            )
+        return self._cycle_call(request, context)
 
     def _cycle_call(
         self, request: pb.CycleRequest, context: grpc.ServicerContext

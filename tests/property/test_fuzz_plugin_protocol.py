@@ -345,35 +345,57 @@ def _check_cycle_answer(case: Any, request: pb.CycleRequest, answer: pb.CycleRes
 
 
 @fuzz_settings(100)
-@given(sequence=call_sequences)
+@given(sequence=call_sequences, held=st.lists(st.booleans(), min_size=8, max_size=8))
 def test_hostile_sequences_over_the_cycle_stream_answer_every_call(
-    fuzz_ledger: FuzzLedger, sequence: list[tuple[str, Message]]
+    fuzz_ledger: FuzzLedger, sequence: list[tuple[str, Message]], held: list[bool]
 ) -> None:
-    """The shim's stream carries PreFilter and Reserve; the rest stay single calls. A bad
-    request is its answer's code, never the stream's end."""
+    """The shim's stream carries PreFilter and Reserve, some held back to travel in the next
+    call's ``before`` as the shim sends them; the rest stay single calls. A bad request is
+    its answer's code, never the stream's end."""
     server = make_server()
     before = server.cache.state.usage_snapshot()
     victims_before = {k: server.cache.state.allocation(k) for k in VICTIM_KEYS}
     stream = CycleStream(server.servicer)
-    for method, request in sequence:
+    waiting: list[pb.CycleRequest] = []  # held back: sent in the next Cycle call's before
+
+    def send(cycle_request: pb.CycleRequest, case: Any) -> None:
+        cycle_request.before.extend(waiting)
+        answer = stream.call(cycle_request)
+        assert [a.id for a in answer.before] == [r.id for r in waiting], answer
+        for earlier, earlier_answer in zip(waiting, answer.before, strict=True):
+            _check_cycle_answer(case, earlier, earlier_answer)
+        waiting.clear()
+        _check_cycle_answer(case, cycle_request, answer)
+
+    for i, (method, request) in enumerate(sequence):
         field = _CYCLE_FIELDS.get(method)
         label = f"plugin-protocol/{'Cycle/' if field else ''}{method}"
         with fuzz_ledger.case(label) as case:
             if field is None:
+                if waiting:  # a held call goes before any single call, as the shim's do
+                    send(waiting.pop(), case)
                 outcome, details = call(server, method, request)
                 if outcome == "aborted":
                     case.rejected(details)
+            elif held[i % len(held)]:
+                waiting.append(pb.CycleRequest(id=10_000 + i, **{field: request}))
             else:
-                cycle_request = pb.CycleRequest(**{field: request})
-                _check_cycle_answer(case, cycle_request, stream.call(cycle_request))
+                send(pb.CycleRequest(**{field: request}), case)
             assert {k: server.cache.state.allocation(k) for k in VICTIM_KEYS} == victims_before
+    if waiting:
+        with fuzz_ledger.case("plugin-protocol/Cycle/held") as case:
+            send(waiting.pop(), case)
     stream.close()
     unreserve_all(server, [r.pod for _, r in sequence])  # type: ignore[attr-defined]
     assert server.cache.state.usage_snapshot() == before
 
 
 @fuzz_settings(100)
-@given(raw=st.binary(max_size=300) | st.binary(max_size=300).map(lambda b: b"\x12\x02\x08\x01" + b))
+@given(
+    raw=st.binary(max_size=300)
+    | st.binary(max_size=300).map(lambda b: b"\x12\x02\x08\x01" + b)  # a PreFilter
+    | st.binary(max_size=300).map(lambda b: b"\x2a\x04\x1a\x02\x08\x01" + b)  # a Reserve before
+)
 def test_random_bytes_as_cycle_requests_are_refused_or_answered(
     fuzz_ledger: FuzzLedger, raw: bytes
 ) -> None:
@@ -386,10 +408,15 @@ def test_random_bytes_as_cycle_requests_are_refused_or_answered(
         except DecodeError as e:
             case.rejected(f"not a CycleRequest: {e}")
             return
-        _check_cycle_answer(case, request, stream.call(request))
-        call_ = request.WhichOneof("call")
-        if call_ is not None:
-            unreserve_all(server, [getattr(request, call_).pod])
+        answer = stream.call(request)
+        _check_cycle_answer(case, request, answer)
+        assert [a.id for a in answer.before] == [r.id for r in request.before], answer
+        for earlier, earlier_answer in zip(request.before, answer.before, strict=True):
+            _check_cycle_answer(case, earlier, earlier_answer)
+        for r in (*request.before, request):
+            call_ = r.WhichOneof("call")
+            if call_ is not None:
+                unreserve_all(server, [getattr(r, call_).pod])
     stream.close()
     assert server.cache.state.usage_snapshot() == before
 

@@ -519,6 +519,48 @@ def test_cycle_counts_a_reserve_before_the_prefilter_sent_after_it(
     assert "no free vGPU slot" in second.pre_filter.message
 
 
+def test_cycle_counts_a_reserve_sent_in_the_next_prefilters_before_first(
+    h: Harness, stream: CycleStream
+) -> None:
+    """One message for the Reserve and the PreFilter after it: the Reserve is counted first
+    and answered in the same response, and every response says the server handles this."""
+    h.cache.apply_node(node_obj("n", gpu("GPU-1", count=1)))
+    stream.send(pre_filter=prefilter_req(make_pod("a").gpu(1).build()))
+    first = stream.answer()
+    assert first.handles_before and not first.before
+    reserve = pb.ReserveRequest(
+        version=V1, pod=ref("a"), node="n", decision_id=first.pre_filter.decision_id, hand_over=True
+    )
+    sent = stream.send(
+        pre_filter=prefilter_req(make_pod("b").gpu(1).build()),
+        before=[pb.CycleRequest(id=100, reserve=reserve)],
+    )
+    both = stream.answer()
+    assert both.id == sent and both.handles_before
+    assert [r.id for r in both.before] == [100]
+    reserved = both.before[0]
+    assert reserved.code == 0 and reserved.reserve.annotations[ann.VGPU_NODE] == "n"
+    assert both.pre_filter.code == pb.PreFilterResponse.UNSCHEDULABLE
+    assert "no free vGPU slot" in both.pre_filter.message
+
+
+def test_cycle_answers_each_before_call_alone_and_refuses_deeper_nesting(
+    h: Harness, stream: CycleStream
+) -> None:
+    h.cache.apply_node(node_obj("n", gpu("GPU-1")))
+    ghost = pb.CycleRequest(
+        id=11, reserve=pb.ReserveRequest(version=V1, pod=ref("ghost"), node="n", decision_id=7)
+    )
+    nested = pb.CycleRequest(id=12, before=[pb.CycleRequest(id=13)])
+    stream.send(pre_filter=prefilter_req(make_pod("p").gpu(1).build()), before=[ghost, nested])
+    answer = stream.answer()
+    assert [r.id for r in answer.before] == [11, 12]
+    assert answer.before[0].code == grpc.StatusCode.ABORTED.value[0]
+    assert answer.before[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "nest at most one level" in answer.before[1].message
+    assert answer.code == 0 and answer.pre_filter.code == OK
+
+
 def test_cycle_answers_a_failed_call_with_its_code_and_goes_on(
     h: Harness, stream: CycleStream
 ) -> None:

@@ -157,7 +157,7 @@ class PreBindResponse(_message.Message):
     def __init__(self, annotations: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CycleRequest(_message.Message):
-    __slots__ = ("id", "pre_filter", "reserve", "trace_context")
+    __slots__ = ("id", "pre_filter", "reserve", "trace_context", "before")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,25 +169,31 @@ class CycleRequest(_message.Message):
     PRE_FILTER_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     pre_filter: PreFilterRequest
     reserve: ReserveRequest
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[int] = ..., pre_filter: _Optional[_Union[PreFilterRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    before: _containers.RepeatedCompositeFieldContainer[CycleRequest]
+    def __init__(self, id: _Optional[int] = ..., pre_filter: _Optional[_Union[PreFilterRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., before: _Optional[_Iterable[_Union[CycleRequest, _Mapping]]] = ...) -> None: ...
 
 class CycleResponse(_message.Message):
-    __slots__ = ("id", "code", "message", "pre_filter", "reserve")
+    __slots__ = ("id", "code", "message", "pre_filter", "reserve", "before", "handles_before")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PRE_FILTER_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_BEFORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     message: str
     pre_filter: PreFilterResponse
     reserve: ReserveResponse
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., pre_filter: _Optional[_Union[PreFilterResponse, _Mapping]] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+    before: _containers.RepeatedCompositeFieldContainer[CycleResponse]
+    handles_before: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., pre_filter: _Optional[_Union[PreFilterResponse, _Mapping]] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., before: _Optional[_Iterable[_Union[CycleResponse, _Mapping]]] = ..., handles_before: _Optional[bool] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("version", "pod", "decision_id")

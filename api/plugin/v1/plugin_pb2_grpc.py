@@ -76,7 +76,8 @@ class SchedulerServicer:
 
     def Cycle(self, request_iterator, context):
         """The scheduling cycle's calls, in the order kube-scheduler makes them: the server handles a
-        stream's requests one at a time, in the order sent, and answers each (matched by id).
+        stream's requests (each one's `before` calls first) one at a time, in the order sent,
+        and answers each (matched by id).
         So a Reserve the shim has not waited for is counted before the next PreFilter decides;
         its answer (annotations, or ABORTED) is read in the pod's binding cycle. A request's
         failure is its response's code, never the stream's: the stream ends only when the shim

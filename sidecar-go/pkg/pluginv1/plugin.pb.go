@@ -4,7 +4,8 @@
 // One round trip per scheduling cycle for the decision (PreFilter); Filter, Score and
 // NormalizeScore in Go read the answer from CycleState. The shim sends PreFilter and Reserve
 // over one ordered stream (Cycle) and does not wait for Reserve's answer inside the
-// scheduling cycle: the binding cycle reads it. Unreserve/PreBind are further calls. Pods
+// scheduling cycle: the binding cycle reads it, and the Reserve travels with the next
+// PreFilter when that comes soon enough. Unreserve/PreBind are further calls. Pods
 // without GPU requests never reach the server (the shim returns Skip).
 // Trace context travels in gRPC metadata (W3C traceparent).
 
@@ -777,7 +778,12 @@ type CycleRequest struct {
 	Call isCycleRequest_Call `protobuf_oneof:"call"`
 	// W3C trace context (traceparent, tracestate) of this call: unary calls carry it in gRPC
 	// metadata, which a stream has only once.
-	TraceContext  map[string]string `protobuf:"bytes,4,rep,name=trace_context,json=traceContext,proto3" json:"trace_context,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	TraceContext map[string]string `protobuf:"bytes,4,rep,name=trace_context,json=traceContext,proto3" json:"trace_context,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Calls to handle before this one, in this order, each answered in the response's
+	// `before`: the shim sends a Reserve whose answer it does not need yet with the next
+	// PreFilter, one message each way per pod instead of two. Sent only to a server whose
+	// responses on this stream said `handles_before`; a call here has no `before` of its own.
+	Before        []*CycleRequest `protobuf:"bytes,5,rep,name=before,proto3" json:"before,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -851,6 +857,13 @@ func (x *CycleRequest) GetTraceContext() map[string]string {
 	return nil
 }
 
+func (x *CycleRequest) GetBefore() []*CycleRequest {
+	if x != nil {
+		return x.Before
+	}
+	return nil
+}
+
 type isCycleRequest_Call interface {
 	isCycleRequest_Call()
 }
@@ -878,7 +891,11 @@ type CycleResponse struct {
 	//
 	//	*CycleResponse_PreFilter
 	//	*CycleResponse_Reserve
-	Answer        isCycleResponse_Answer `protobuf_oneof:"answer"`
+	Answer isCycleResponse_Answer `protobuf_oneof:"answer"`
+	// The answers of the request's `before` calls, in their order.
+	Before []*CycleResponse `protobuf:"bytes,6,rep,name=before,proto3" json:"before,omitempty"`
+	// This server handles a request's `before` calls (set on every response).
+	HandlesBefore bool `protobuf:"varint,7,opt,name=handles_before,json=handlesBefore,proto3" json:"handles_before,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -957,6 +974,20 @@ func (x *CycleResponse) GetReserve() *ReserveResponse {
 		}
 	}
 	return nil
+}
+
+func (x *CycleResponse) GetBefore() []*CycleResponse {
+	if x != nil {
+		return x.Before
+	}
+	return nil
+}
+
+func (x *CycleResponse) GetHandlesBefore() bool {
+	if x != nil {
+		return x.HandlesBefore
+	}
+	return false
 }
 
 type isCycleResponse_Answer interface {
@@ -1298,24 +1329,27 @@ const file_api_plugin_v1_plugin_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc4\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xfd\x02\n" +
 	"\fCycleRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12D\n" +
 	"\n" +
 	"pre_filter\x18\x02 \x01(\v2#.tessera.plugin.v1.PreFilterRequestH\x00R\tpreFilter\x12=\n" +
 	"\areserve\x18\x03 \x01(\v2!.tessera.plugin.v1.ReserveRequestH\x00R\areserve\x12V\n" +
-	"\rtrace_context\x18\x04 \x03(\v21.tessera.plugin.v1.CycleRequest.TraceContextEntryR\ftraceContext\x1a?\n" +
+	"\rtrace_context\x18\x04 \x03(\v21.tessera.plugin.v1.CycleRequest.TraceContextEntryR\ftraceContext\x127\n" +
+	"\x06before\x18\x05 \x03(\v2\x1f.tessera.plugin.v1.CycleRequestR\x06before\x1a?\n" +
 	"\x11TraceContextEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\x06\n" +
-	"\x04call\"\xde\x01\n" +
+	"\x04call\"\xbf\x02\n" +
 	"\rCycleResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04code\x18\x02 \x01(\rR\x04code\x12\x18\n" +
 	"\amessage\x18\x03 \x01(\tR\amessage\x12E\n" +
 	"\n" +
 	"pre_filter\x18\x04 \x01(\v2$.tessera.plugin.v1.PreFilterResponseH\x00R\tpreFilter\x12>\n" +
-	"\areserve\x18\x05 \x01(\v2\".tessera.plugin.v1.ReserveResponseH\x00R\areserveB\b\n" +
+	"\areserve\x18\x05 \x01(\v2\".tessera.plugin.v1.ReserveResponseH\x00R\areserve\x128\n" +
+	"\x06before\x18\x06 \x03(\v2 .tessera.plugin.v1.CycleResponseR\x06before\x12%\n" +
+	"\x0ehandles_before\x18\a \x01(\bR\rhandlesBeforeB\b\n" +
 	"\x06answer\"\x9c\x01\n" +
 	"\x0eExplainRequest\x12<\n" +
 	"\aversion\x18\x01 \x01(\x0e2\".tessera.plugin.v1.ProtocolVersionR\aversion\x12+\n" +
@@ -1403,31 +1437,33 @@ var file_api_plugin_v1_plugin_proto_depIdxs = []int32{
 	3,  // 13: tessera.plugin.v1.CycleRequest.pre_filter:type_name -> tessera.plugin.v1.PreFilterRequest
 	5,  // 14: tessera.plugin.v1.CycleRequest.reserve:type_name -> tessera.plugin.v1.ReserveRequest
 	21, // 15: tessera.plugin.v1.CycleRequest.trace_context:type_name -> tessera.plugin.v1.CycleRequest.TraceContextEntry
-	4,  // 16: tessera.plugin.v1.CycleResponse.pre_filter:type_name -> tessera.plugin.v1.PreFilterResponse
-	6,  // 17: tessera.plugin.v1.CycleResponse.reserve:type_name -> tessera.plugin.v1.ReserveResponse
-	0,  // 18: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 19: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	0,  // 20: tessera.plugin.v1.FilterWhatIfRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
-	2,  // 21: tessera.plugin.v1.FilterWhatIfRequest.pod:type_name -> tessera.plugin.v1.PodRef
-	11, // 22: tessera.plugin.v1.Scheduler.Cycle:input_type -> tessera.plugin.v1.CycleRequest
-	3,  // 23: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
-	5,  // 24: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
-	7,  // 25: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
-	9,  // 26: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
-	13, // 27: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
-	15, // 28: tessera.plugin.v1.Scheduler.FilterWhatIf:input_type -> tessera.plugin.v1.FilterWhatIfRequest
-	12, // 29: tessera.plugin.v1.Scheduler.Cycle:output_type -> tessera.plugin.v1.CycleResponse
-	4,  // 30: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
-	6,  // 31: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
-	8,  // 32: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
-	10, // 33: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
-	14, // 34: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
-	16, // 35: tessera.plugin.v1.Scheduler.FilterWhatIf:output_type -> tessera.plugin.v1.FilterWhatIfResponse
-	29, // [29:36] is the sub-list for method output_type
-	22, // [22:29] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	11, // 16: tessera.plugin.v1.CycleRequest.before:type_name -> tessera.plugin.v1.CycleRequest
+	4,  // 17: tessera.plugin.v1.CycleResponse.pre_filter:type_name -> tessera.plugin.v1.PreFilterResponse
+	6,  // 18: tessera.plugin.v1.CycleResponse.reserve:type_name -> tessera.plugin.v1.ReserveResponse
+	12, // 19: tessera.plugin.v1.CycleResponse.before:type_name -> tessera.plugin.v1.CycleResponse
+	0,  // 20: tessera.plugin.v1.ExplainRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 21: tessera.plugin.v1.ExplainRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	0,  // 22: tessera.plugin.v1.FilterWhatIfRequest.version:type_name -> tessera.plugin.v1.ProtocolVersion
+	2,  // 23: tessera.plugin.v1.FilterWhatIfRequest.pod:type_name -> tessera.plugin.v1.PodRef
+	11, // 24: tessera.plugin.v1.Scheduler.Cycle:input_type -> tessera.plugin.v1.CycleRequest
+	3,  // 25: tessera.plugin.v1.Scheduler.PreFilter:input_type -> tessera.plugin.v1.PreFilterRequest
+	5,  // 26: tessera.plugin.v1.Scheduler.Reserve:input_type -> tessera.plugin.v1.ReserveRequest
+	7,  // 27: tessera.plugin.v1.Scheduler.Unreserve:input_type -> tessera.plugin.v1.UnreserveRequest
+	9,  // 28: tessera.plugin.v1.Scheduler.PreBind:input_type -> tessera.plugin.v1.PreBindRequest
+	13, // 29: tessera.plugin.v1.Scheduler.Explain:input_type -> tessera.plugin.v1.ExplainRequest
+	15, // 30: tessera.plugin.v1.Scheduler.FilterWhatIf:input_type -> tessera.plugin.v1.FilterWhatIfRequest
+	12, // 31: tessera.plugin.v1.Scheduler.Cycle:output_type -> tessera.plugin.v1.CycleResponse
+	4,  // 32: tessera.plugin.v1.Scheduler.PreFilter:output_type -> tessera.plugin.v1.PreFilterResponse
+	6,  // 33: tessera.plugin.v1.Scheduler.Reserve:output_type -> tessera.plugin.v1.ReserveResponse
+	8,  // 34: tessera.plugin.v1.Scheduler.Unreserve:output_type -> tessera.plugin.v1.UnreserveResponse
+	10, // 35: tessera.plugin.v1.Scheduler.PreBind:output_type -> tessera.plugin.v1.PreBindResponse
+	14, // 36: tessera.plugin.v1.Scheduler.Explain:output_type -> tessera.plugin.v1.ExplainResponse
+	16, // 37: tessera.plugin.v1.Scheduler.FilterWhatIf:output_type -> tessera.plugin.v1.FilterWhatIfResponse
+	31, // [31:38] is the sub-list for method output_type
+	24, // [24:31] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_api_plugin_v1_plugin_proto_init() }

@@ -4,7 +4,8 @@
 // One round trip per scheduling cycle for the decision (PreFilter); Filter, Score and
 // NormalizeScore in Go read the answer from CycleState. The shim sends PreFilter and Reserve
 // over one ordered stream (Cycle) and does not wait for Reserve's answer inside the
-// scheduling cycle: the binding cycle reads it. Unreserve/PreBind are further calls. Pods
+// scheduling cycle: the binding cycle reads it, and the Reserve travels with the next
+// PreFilter when that comes soon enough. Unreserve/PreBind are further calls. Pods
 // without GPU requests never reach the server (the shim returns Skip).
 // Trace context travels in gRPC metadata (W3C traceparent).
 
@@ -43,7 +44,8 @@ const (
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 type SchedulerClient interface {
 	// The scheduling cycle's calls, in the order kube-scheduler makes them: the server handles a
-	// stream's requests one at a time, in the order sent, and answers each (matched by id).
+	// stream's requests (each one's `before` calls first) one at a time, in the order sent,
+	// and answers each (matched by id).
 	// So a Reserve the shim has not waited for is counted before the next PreFilter decides;
 	// its answer (annotations, or ABORTED) is read in the pod's binding cycle. A request's
 	// failure is its response's code, never the stream's: the stream ends only when the shim
@@ -161,7 +163,8 @@ func (c *schedulerClient) FilterWhatIf(ctx context.Context, in *FilterWhatIfRequ
 // for forward compatibility.
 type SchedulerServer interface {
 	// The scheduling cycle's calls, in the order kube-scheduler makes them: the server handles a
-	// stream's requests one at a time, in the order sent, and answers each (matched by id).
+	// stream's requests (each one's `before` calls first) one at a time, in the order sent,
+	// and answers each (matched by id).
 	// So a Reserve the shim has not waited for is counted before the next PreFilter decides;
 	// its answer (annotations, or ABORTED) is read in the pod's binding cycle. A request's
 	// failure is its response's code, never the stream's: the stream ends only when the shim

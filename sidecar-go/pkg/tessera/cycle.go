@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"go.opentelemetry.io/otel/propagation"
 	"google.golang.org/grpc/codes"
@@ -16,17 +17,33 @@ import (
 // cycleStream is the shim's end of the Cycle stream: the scheduling cycle's PreFilter and
 // Reserve, sent in the order kube-scheduler makes them over one stream the server handles in
 // order. send returns at once with the answer to come, so Reserve need not wait inside the
-// cycle. The stream opens on the first send and again on the first send after it broke; a
-// break fails every unanswered call with its error.
+// cycle; sendSoon holds a Reserve back (at most window) so that the next cycle's PreFilter
+// carries it in its before, one message each way per pod instead of two, once the server has
+// said on this stream that it handles before. The stream opens on the first send and again on
+// the first send after it broke; a break fails every unanswered call, sent or held back, with
+// its error.
 type cycleStream struct {
 	client pluginv1.SchedulerClient
+	// window: how long sendSoon holds a call back for the next send to carry (0: never).
+	window time.Duration
 
 	mu      sync.Mutex // guards the fields below, and orders Send
 	stream  pluginv1.Scheduler_CycleClient
 	close   context.CancelFunc // ends stream
 	next    uint64
 	waiting map[uint64]chan<- cycleAnswer
+	// batches: stream's server answered handles_before.
+	batches bool
+	// held: calls sendSoon holds back (ids assigned, answers awaited in waiting), sent by the
+	// next send or when timer fires, whichever is first.
+	held  []*pluginv1.CycleRequest
+	timer *time.Timer
 }
+
+// reserveWindow is how long a Reserve waits for the next cycle's PreFilter to carry it: while
+// pods queue, that PreFilter follows within a fraction of a millisecond; the binding cycle,
+// which reads the answer, waits at most this long for a pod that is the last of its queue.
+const reserveWindow = 2 * time.Millisecond
 
 // cycleAnswer is one call's response, or why it has none.
 type cycleAnswer struct {
@@ -34,16 +51,25 @@ type cycleAnswer struct {
 	err  error
 }
 
-func newCycleStream(client pluginv1.SchedulerClient) *cycleStream {
-	return &cycleStream{client: client, waiting: map[uint64]chan<- cycleAnswer{}}
+func newCycleStream(client pluginv1.SchedulerClient, window time.Duration) *cycleStream {
+	return &cycleStream{client: client, window: window, waiting: map[uint64]chan<- cycleAnswer{}}
 }
 
 // pendingCall is a sent call's answer to come.
 type pendingCall <-chan cycleAnswer
 
-// send sends req (its id set here) with ctx's trace context. The error is the stream's: it
-// could not be opened or the send failed.
+// send sends req (its id set here), carrying the calls held back before it, with ctx's trace
+// context. The error is the stream's: it could not be opened or the send failed.
 func (c *cycleStream) send(ctx context.Context, req *pluginv1.CycleRequest) (pendingCall, error) {
+	return c.sendCall(ctx, req, false)
+}
+
+// sendSoon is send, except that the call may wait (at most window) to go with the next one.
+func (c *cycleStream) sendSoon(ctx context.Context, req *pluginv1.CycleRequest) (pendingCall, error) {
+	return c.sendCall(ctx, req, true)
+}
+
+func (c *cycleStream) sendCall(ctx context.Context, req *pluginv1.CycleRequest, soon bool) (pendingCall, error) {
 	if carrier := outgoingTraceContext(ctx); len(carrier) > 0 {
 		req.TraceContext = carrier
 	}
@@ -63,16 +89,67 @@ func (c *cycleStream) send(ctx context.Context, req *pluginv1.CycleRequest) (pen
 	req.Id = c.next
 	answer := make(chan cycleAnswer, 1)
 	c.waiting[req.Id] = answer
-	if err := c.stream.Send(req); err != nil {
-		// Send's error is io.EOF when the stream broke; Recv (in receive) has the reason.
+	if soon && c.batches && c.window > 0 {
+		c.held = append(c.held, req)
+		if c.timer == nil {
+			stream := c.stream
+			c.timer = time.AfterFunc(c.window, func() { c.flushHeld(stream) })
+		}
+		return answer, nil
+	}
+	if err := c.sendLocked(req); err != nil {
 		delete(c.waiting, req.Id)
-		c.dropLocked(c.stream, err)
 		return nil, err
 	}
 	return answer, nil
 }
 
-// receive hands each response to its caller until the stream ends.
+// sendLocked sends req with the held calls in its before (their answers come in its
+// response's); a failed send drops the stream.
+func (c *cycleStream) sendLocked(req *pluginv1.CycleRequest) error {
+	req.Before = c.held
+	c.held = nil
+	if c.timer != nil {
+		c.timer.Stop()
+		c.timer = nil
+	}
+	if err := c.stream.Send(req); err != nil {
+		// Send's error is io.EOF when the stream broke; Recv (in receive) has the reason.
+		c.dropLocked(c.stream, err)
+		return err
+	}
+	return nil
+}
+
+// flush sends the held calls now (Unreserve, or a gang's trial, cannot wait for the window).
+func (c *cycleStream) flush() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.flushLocked()
+}
+
+// flushHeld is the timer's flush of the calls held on stream (not if it has been replaced).
+func (c *cycleStream) flushHeld(stream pluginv1.Scheduler_CycleClient) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stream == stream {
+		c.flushLocked()
+	}
+}
+
+// flushLocked sends the held calls: the last, with the others in its before.
+func (c *cycleStream) flushLocked() {
+	n := len(c.held)
+	if n == 0 || c.stream == nil {
+		return
+	}
+	last := c.held[n-1]
+	c.held = c.held[:n-1]
+	_ = c.sendLocked(last) // a failure fails every held call's answer (dropLocked)
+}
+
+// receive hands each response, and those of its before calls, to its caller until the
+// stream ends.
 func (c *cycleStream) receive(stream pluginv1.Scheduler_CycleClient) {
 	for {
 		resp, err := stream.Recv()
@@ -82,16 +159,27 @@ func (c *cycleStream) receive(stream pluginv1.Scheduler_CycleClient) {
 			c.mu.Unlock()
 			return
 		}
-		answer, ok := c.waiting[resp.GetId()]
-		delete(c.waiting, resp.GetId())
-		c.mu.Unlock()
-		if ok {
-			answer <- cycleAnswer{resp: resp}
+		if resp.GetHandlesBefore() && c.stream == stream {
+			c.batches = true
 		}
+		for _, r := range resp.GetBefore() {
+			c.answerLocked(r)
+		}
+		c.answerLocked(resp)
+		c.mu.Unlock()
 	}
 }
 
-// dropLocked forgets stream if it is still the current one and fails every unanswered call.
+// answerLocked hands resp to the call it answers (each answer channel holds one: never blocks).
+func (c *cycleStream) answerLocked(resp *pluginv1.CycleResponse) {
+	if answer, ok := c.waiting[resp.GetId()]; ok {
+		delete(c.waiting, resp.GetId())
+		answer <- cycleAnswer{resp: resp}
+	}
+}
+
+// dropLocked forgets stream if it is still the current one and fails every unanswered call,
+// the held ones too.
 func (c *cycleStream) dropLocked(stream pluginv1.Scheduler_CycleClient, err error) {
 	if c.stream != stream {
 		return
@@ -100,7 +188,11 @@ func (c *cycleStream) dropLocked(stream pluginv1.Scheduler_CycleClient, err erro
 		err = status.Error(codes.Unavailable, fmt.Sprintf("Cycle stream ended: %v", err))
 	}
 	c.close()
-	c.stream, c.close = nil, nil
+	c.stream, c.close, c.batches, c.held = nil, nil, false, nil
+	if c.timer != nil {
+		c.timer.Stop()
+		c.timer = nil
+	}
 	for id, answer := range c.waiting {
 		answer <- cycleAnswer{err: err}
 		delete(c.waiting, id)
@@ -151,9 +243,9 @@ func (c *cycleStream) preFilter(ctx context.Context, req *pluginv1.PreFilterRequ
 	return nil, fmt.Errorf("PreFilter %w", errNoAnswer)
 }
 
-// reserve sends req; the answer is read later (pendingReserve).
+// reserve sends req soon (sendSoon); the answer is read later (pendingReserve).
 func (c *cycleStream) reserve(ctx context.Context, req *pluginv1.ReserveRequest) (pendingCall, error) {
-	return c.send(ctx, &pluginv1.CycleRequest{Call: &pluginv1.CycleRequest_Reserve{Reserve: req}})
+	return c.sendSoon(ctx, &pluginv1.CycleRequest{Call: &pluginv1.CycleRequest_Reserve{Reserve: req}})
 }
 
 // reserveAnswer is a Reserve call's answer from its response.

@@ -4,8 +4,10 @@ import (
 	"context"
 	"net"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -85,5 +87,139 @@ func TestCycleAnswerWithoutTheCallsAnswerIsAServerFailure(t *testing.T) {
 	}
 	if st := p.PreBind(context.Background(), state, pod, "n1"); st.Code() != fwk.Error || !strings.Contains(st.Message(), "Reserve answered OK without an answer") {
 		t.Errorf("PreBind = %v", st)
+	}
+}
+
+// holdReserves makes p's stream hold a Reserve back for window.
+func holdReserves(p *Plugin, window time.Duration) {
+	p.cycle.mu.Lock()
+	defer p.cycle.mu.Unlock()
+	p.cycle.window = window
+}
+
+func TestReserveTravelsWithTheNextPreFilter(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	holdReserves(p, time.Hour) // only the next PreFilter sends it
+	ctx := context.Background()
+	a, b := makePod("a").gpu("1").obj(), makePod("b").gpu("1").obj()
+
+	first := newState()
+	if _, st := p.PreFilter(ctx, first, a, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter(a) = %v", st)
+	}
+	if st := p.Reserve(ctx, first, a, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve(a) = %v", st)
+	}
+	if _, st := p.PreFilter(ctx, newState(), b, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter(b) = %v", st)
+	}
+	// a's binding cycle reads the answer that came with b's PreFilter.
+	if st := p.PreBind(ctx, first, a, "n1"); !st.IsSuccess() {
+		t.Fatalf("PreBind(a) = %v", st)
+	}
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if fake.cycleMessages != 2 {
+		t.Errorf("Cycle messages = %d, want 2 (PreFilter(a), then Reserve(a) with PreFilter(b))", fake.cycleMessages)
+	}
+	if want := []string{"PreFilter", "Reserve", "PreFilter", "PreBind"}; !slices.Equal(fake.order, want) {
+		t.Errorf("server handled %v, want %v (the Reserve before the PreFilter that carried it)", fake.order, want)
+	}
+}
+
+func TestHeldReserveGoesAloneWhenNoPreFilterFollows(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	holdReserves(p, 5*time.Millisecond)
+	ctx := context.Background()
+	pod := makePod("p").gpu("1").obj()
+	state := newState()
+	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("PreBind = %v (the window's timer sends the held Reserve)", st)
+	}
+	if n := fake.count("Reserve"); n != 1 {
+		t.Errorf("Reserve calls = %d, want 1", n)
+	}
+}
+
+func TestUnreserveSendsAHeldReserveFirst(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	holdReserves(p, time.Hour)
+	ctx := context.Background()
+	pod := makePod("p").gpu("1").obj()
+	state := newState()
+	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	done := make(chan struct{})
+	go func() {
+		p.Unreserve(ctx, state, pod, "n1")
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Unreserve waited for the window instead of sending the held Reserve")
+	}
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if want := []string{"PreFilter", "Reserve", "Unreserve"}; !slices.Equal(fake.order, want) {
+		t.Errorf("server handled %v, want %v (the Reserve counted before it is released)", fake.order, want)
+	}
+}
+
+func TestNoReserveIsHeldForAServerThatDoesNotHandleBefore(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter, s.noBefore = okResponse(), true })
+	holdReserves(p, time.Hour)
+	ctx := context.Background()
+	pod := makePod("p").gpu("1").obj()
+	state := newState()
+	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("PreBind = %v (the Reserve must have gone at once)", st)
+	}
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if fake.cycleMessages != 2 {
+		t.Errorf("Cycle messages = %d, want 2 (each call alone)", fake.cycleMessages)
+	}
+}
+
+func TestClosingTheStreamFailsAHeldReserve(t *testing.T) {
+	fake, p := startFake(t, nil)
+	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
+	holdReserves(p, time.Hour)
+	ctx := context.Background()
+	pod := makePod("p").gpu("1").obj()
+	state := newState()
+	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	p.cycle.Close()
+	if st := p.PreBind(ctx, state, pod, "n1"); st.IsSuccess() {
+		t.Error("PreBind succeeded with a Reserve that was never sent")
+	}
+	if n := fake.count("Reserve"); n != 0 {
+		t.Errorf("Reserve calls = %d, want 0", n)
 	}
 }

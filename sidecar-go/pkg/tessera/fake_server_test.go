@@ -56,11 +56,17 @@ type fakeServer struct {
 	whatIf     func(*pluginv1.FilterWhatIfRequest) *pluginv1.FilterWhatIfResponse
 	whatIfs    []*pluginv1.FilterWhatIfRequest
 	traceparts []string
+	// noBefore: Cycle responses do not say handles_before (a server that predates it).
+	noBefore bool
+	// cycleMessages counts the Cycle stream's requests; order lists its calls as handled.
+	cycleMessages int
+	order         []string
 }
 
 func (s *fakeServer) record(ctx context.Context, method string) error {
 	s.mu.Lock()
 	s.calls[method]++
+	s.order = append(s.order, method)
 	if md, ok := metadata.FromIncomingContext(ctx); ok {
 		s.traceparts = append(s.traceparts, md.Get("traceparent")...)
 	}
@@ -131,34 +137,49 @@ func (s *fakeServer) Cycle(stream pluginv1.Scheduler_CycleServer) error {
 			}
 			continue
 		}
-		ctx := stream.Context()
-		if len(req.GetTraceContext()) > 0 {
-			ctx = metadata.NewIncomingContext(ctx, metadata.New(req.GetTraceContext()))
+		s.mu.Lock()
+		s.cycleMessages++
+		noBefore := s.noBefore
+		s.mu.Unlock()
+		// The before calls first, in order, answered in the request's response.
+		var before []*pluginv1.CycleResponse
+		for _, earlier := range req.GetBefore() {
+			before = append(before, s.cycleCall(stream.Context(), earlier))
 		}
-		resp := &pluginv1.CycleResponse{Id: req.GetId()}
-		var callErr error
-		switch call := req.GetCall().(type) {
-		case *pluginv1.CycleRequest_PreFilter:
-			var answer *pluginv1.PreFilterResponse
-			if answer, callErr = s.PreFilter(ctx, call.PreFilter); callErr == nil {
-				resp.Answer = &pluginv1.CycleResponse_PreFilter{PreFilter: answer}
-			}
-		case *pluginv1.CycleRequest_Reserve:
-			var answer *pluginv1.ReserveResponse
-			if answer, callErr = s.Reserve(ctx, call.Reserve); callErr == nil {
-				resp.Answer = &pluginv1.CycleResponse_Reserve{Reserve: answer}
-			}
-		default:
-			callErr = status.Error(codes.InvalidArgument, "the request carries no call")
-		}
-		if callErr != nil {
-			st := status.Convert(callErr)
-			resp.Code, resp.Message = uint32(st.Code()), st.Message()
-		}
+		resp := s.cycleCall(stream.Context(), req)
+		resp.Before, resp.HandlesBefore = before, !noBefore
 		if err := stream.Send(resp); err != nil {
 			return err
 		}
 	}
+}
+
+// cycleCall answers one call of the stream; its trace context is its incoming metadata.
+func (s *fakeServer) cycleCall(ctx context.Context, req *pluginv1.CycleRequest) *pluginv1.CycleResponse {
+	if len(req.GetTraceContext()) > 0 {
+		ctx = metadata.NewIncomingContext(ctx, metadata.New(req.GetTraceContext()))
+	}
+	resp := &pluginv1.CycleResponse{Id: req.GetId()}
+	var callErr error
+	switch call := req.GetCall().(type) {
+	case *pluginv1.CycleRequest_PreFilter:
+		var answer *pluginv1.PreFilterResponse
+		if answer, callErr = s.PreFilter(ctx, call.PreFilter); callErr == nil {
+			resp.Answer = &pluginv1.CycleResponse_PreFilter{PreFilter: answer}
+		}
+	case *pluginv1.CycleRequest_Reserve:
+		var answer *pluginv1.ReserveResponse
+		if answer, callErr = s.Reserve(ctx, call.Reserve); callErr == nil {
+			resp.Answer = &pluginv1.CycleResponse_Reserve{Reserve: answer}
+		}
+	default:
+		callErr = status.Error(codes.InvalidArgument, "the request carries no call")
+	}
+	if callErr != nil {
+		st := status.Convert(callErr)
+		resp.Code, resp.Message = uint32(st.Code()), st.Message()
+	}
+	return resp
 }
 
 func (s *fakeServer) Unreserve(ctx context.Context, req *pluginv1.UnreserveRequest) (*pluginv1.UnreserveResponse, error) {

@@ -242,7 +242,7 @@ func newPlugin(args *Args, client pluginv1.SchedulerClient) *Plugin {
 			v1.ResourceName(args.ResourceMemoryPercentageName), v1.ResourceName(args.ResourceCoreName),
 		},
 		client: client,
-		cycle:  newCycleStream(client),
+		cycle:  newCycleStream(client, reserveWindow),
 	}
 }
 

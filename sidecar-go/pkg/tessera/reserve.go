@@ -17,7 +17,8 @@ import (
 
 // Reserve asks the server to count the pod's devices on the chosen node now, before binding.
 // It sends the call over the Cycle stream and does not wait for the answer: the server counts
-// it before it decides the next pod's PreFilter, and the binding cycle reads the answer
+// it before it decides the next pod's PreFilter (which carries it when it follows within
+// reserveWindow; the timer sends it alone otherwise), and the binding cycle reads the answer
 // (settleReserve). When Tessera binds (hand-over) and no earlier pod the node agent could not
 // tell apart is allocating on the node, the answer carries the pod's annotations for Bind and
 // PreBind is skipped. In a gang's trial cycle the answer decides whether the gang fits, so
@@ -62,6 +63,7 @@ func (p *Plugin) Reserve(ctx context.Context, state fwk.CycleState, pod *v1.Pod,
 	pending := &pendingReserve{call: call, traced: traced}
 	state.Write(reserveKey, pending)
 	if trial {
+		p.cycle.flush() // the answer is needed now
 		return p.settleReserve(ctx, state, nodeName)
 	}
 	return nil
@@ -128,7 +130,9 @@ func (p *Plugin) Unreserve(ctx context.Context, state fwk.CycleState, pod *v1.Po
 		return
 	}
 	// The server must have counted the Reserve before this Unreserve releases it: a call
-	// overtaking the stream would release nothing and leave the reservation standing.
+	// overtaking the stream would release nothing and leave the reservation standing. A
+	// Reserve still held back for the next PreFilter goes now.
+	p.cycle.flush()
 	_ = p.settleReserve(ctx, state, nodeName)
 	state.Delete(bindKey)
 	state.Delete(reserveKey)
