@@ -925,7 +925,16 @@ class SchedulingMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.cycle_calls = Counter(
+            "tessera_scheduler_cycle_calls",
+            "Calls the Cycle stream answered, by whether they came carried in another call's "
+            "message (before: the shim's Reserve sent with the next PreFilter) or in their own",
+            ["carried"],
+            registry=self.registry,
+        )
         # Known label values start at 0, so rates and absent-alerts work from the first scrape.
+        for carried in ("false", "true"):
+            self.cycle_calls.labels(carried)
         for gang_outcome in GANG_OUTCOMES:
             self.gangs.labels(gang_outcome)
         for outcome in Outcome:
@@ -960,6 +969,12 @@ class SchedulingMetrics:
         for need in needs:
             self.preemptions.labels(need).inc()
         self.preemption_victims.inc(victims)
+
+    def count_cycle_message(self, carried: int) -> None:
+        """One Cycle request: its own call and the ``carried`` calls of its ``before``."""
+        self.cycle_calls.labels("false").inc()
+        if carried:
+            self.cycle_calls.labels("true").inc(carried)
 
     def count_gang(self, outcome: str) -> None:
         """One gang outcome, one of ``GANG_OUTCOMES``."""

@@ -165,6 +165,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         request's ``before`` calls first, answered in its response): a Reserve is counted
         before the PreFilter sent after it, or with it, decides."""
         for request in requests:
+            self._metrics.count_cycle_message(len(request.before))
             earlier = [self._cycle_call_alone(call, context) for call in request.before]
             response = self._cycle_call(request, context)
             response.before.extend(earlier)

@@ -28,6 +28,7 @@ from api.plugin.v1 import plugin_pb2_grpc as pb_grpc
 from scheduler_plugins.core.cache import ClusterCache
 from scheduler_plugins.server.app import PluginServer, ServerAddressError
 from scheduler_plugins.server.events import LEGACY_MIG_REASON, REASON, EventRecorder, EventTarget
+from scheduler_plugins.server.metrics import SchedulingMetrics
 from scheduler_plugins.server.servicer import WAIT_ELSEWHERE, SchedulerServicer
 from scheduler_plugins.server.watch import Backoff
 from tests.builders import gpu, make_pod, mig_gpu
@@ -138,6 +139,7 @@ class Harness:
     stub: pb_grpc.SchedulerStub
     events: EventRecorder
     socket: Path
+    metrics: SchedulingMetrics
 
     def prefilter(self, pod: dict[str, Any], *, limit: int = 0) -> pb.PreFilterResponse:
         """PreFilter; ``limit``: the shim's candidate limit (a pod leaving the choice to
@@ -191,10 +193,12 @@ def _harness(
         ev.set()
     events = EventRecorder(kube, min_interval_s=60)
     events.start()
+    metrics = SchedulingMetrics()
     servicer = SchedulerServicer(
         cache,
         kube,
         ev,
+        metrics=metrics,
         events=events,
         prebind_wait_s=prebind_wait_s,
         max_prebind_waiters=max_prebind_waiters,
@@ -208,7 +212,8 @@ def _harness(
     server.start()
     channel = grpc.insecure_channel(f"unix:{sock}")
     try:
-        yield Harness(cache, kube, ev, pb_grpc.SchedulerStub(channel), events, sock)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.SchedulerStub(channel)  # type: ignore[no-untyped-call]
+        yield Harness(cache, kube, ev, stub, events, sock, metrics)
     finally:
         channel.close()
         server.stop(0).wait()
@@ -542,6 +547,9 @@ def test_cycle_counts_a_reserve_sent_in_the_next_prefilters_before_first(
     assert reserved.code == 0 and reserved.reserve.annotations[ann.VGPU_NODE] == "n"
     assert both.pre_filter.code == pb.PreFilterResponse.UNSCHEDULABLE
     assert "no free vGPU slot" in both.pre_filter.message
+    calls = h.metrics.registry.get_sample_value
+    assert calls("tessera_scheduler_cycle_calls_total", {"carried": "false"}) == 2
+    assert calls("tessera_scheduler_cycle_calls_total", {"carried": "true"}) == 1
 
 
 def test_cycle_answers_each_before_call_alone_and_refuses_deeper_nesting(
