@@ -102,6 +102,10 @@ def test_bench_runs_both_schedulers_and_reports(
     assert ("tessera_scheduler_rpc_duration_seconds", "PreFilter") in series
     drained = {(h["name"], h["labels"].get("method")) for h in tessera["drain"]["plugin_rpc"]}
     assert ("tessera_scheduler_rpc_duration_seconds", "Reserve") in drained
+    # Every GPU pod's PreFilter and Reserve came over the Cycle stream, in fewer messages
+    # than calls when a Reserve rode with the next PreFilter.
+    stream = tessera["drain"]["cycle_messages"]
+    assert stream["messages"] > 0 and stream["carried"] >= 0, stream
     assert run["phases"]["stock"]["check"] is None
     assert run["ratio"]["throughput"] > 0
     # The apiserver's audit log names each request's client: the bindings are the

@@ -234,6 +234,19 @@ def test_markdown_compares_the_scheduling_cycle_with_stock() -> None:
     assert "| 1000 | stock | drain | 10 | 2 | – | 2 | 0.1 | – | – | – | – | 400.0 |" in text
 
 
+def test_markdown_says_how_many_reserves_came_with_the_next_prefilter() -> None:
+    result = _result()
+    result["runs"][0]["phases"]["tessera"]["drain"]["cycle_messages"] = {
+        "messages": 100,
+        "carried": 90,
+    }
+    text = markdown(result, [])
+    assert (
+        "- 1000 nodes, tessera: 100 messages on the plugin server's Cycle stream carried 190 "
+        "calls; 90 of them (47 % of the calls) came in another's message" in text
+    )
+
+
 def test_offline_nodes_used_places_the_pods_by_the_core() -> None:
     pods = tuple(
         BenchPod(f"p{i}", PodKind.FRACTIONAL, gpus=1, gpumem_mib=4000, mode="hami-core")

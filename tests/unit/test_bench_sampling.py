@@ -114,3 +114,24 @@ def test_cycle_summary_counts_scheduled_cycles_since_the_scheduler_started(
     assert "serial_mean" not in since_start  # no Permit series: no sum to make
     assert sampler.cycle_json("up", "end")["attempt"]["count"] == 20
     assert sampler.cycle_json("up", "never") == {}
+
+
+def test_cycle_messages_are_the_plugin_servers_counters_between_two_marks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = sampling.CYCLE_CALLS
+    answers = [
+        f'{name}{{carried="false"}} 10\n{name}{{carried="true"}} 4\n',
+        f'{name}{{carried="false"}} 110\n{name}{{carried="true"}} 94\n',
+    ]
+
+    def http_text(url: str, *, insecure: bool = False) -> str:
+        assert url == "http://127.0.0.1:2/metrics"
+        return answers.pop(0)
+
+    monkeypatch.setattr(sampling, "_http_text", http_text)
+    sampler = Sampler(lambda: {}, "http://127.0.0.1:2/metrics")
+    sampler.mark("start")
+    sampler.mark("end")
+    assert sampler.cycle_messages_json("start", "end") == {"messages": 100, "carried": 90}
+    assert sampler.cycle_messages_json("start", "never") == {}

@@ -322,7 +322,25 @@ def _drain_section(result: Json) -> list[str]:
         ),
         *_waits_table(result),
         *_cycle_table(result),
+        *_cycle_messages(result),
     ]
+
+
+def _cycle_messages(result: Json) -> list[str]:
+    """Per drain: the messages of Tessera's Cycle stream and the Reserves they carried."""
+    lines = []
+    for run, name, ph in _phases(result):
+        m = (ph.get("drain") or {}).get("cycle_messages")
+        if not m:
+            continue
+        calls = m["messages"] + m["carried"]
+        share = f" ({100 * m['carried'] / calls:.0f} % of the calls)" if calls else ""
+        lines.append(
+            f"- {run['nodes']} nodes, {name}: {m['messages']} messages on the plugin "
+            f"server's Cycle stream carried {calls} calls; {m['carried']} of them{share} "
+            "came in another's message (a Reserve sent with the next PreFilter)."
+        )
+    return ["", *lines] if lines else []
 
 
 def _waits_table(result: Json) -> list[str]:

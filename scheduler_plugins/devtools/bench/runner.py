@@ -313,6 +313,8 @@ def _drain(
         committed={n: t - now + mono for n, t in committed.items()},
     )
     out["plugin_rpc"] = sampler.histograms_json("drain-start", "drain-end")
+    if cycle_messages := sampler.cycle_messages_json("drain-start", "drain-end"):
+        out["cycle_messages"] = cycle_messages
     out["scheduling_cycle"] = sampler.cycle_json("drain-start", "drain-end")
     out["nodes_used"] = len({b.nodes[p.name] for p in pods if p.gpus and p.name in b.nodes})
     if by_client is not None:

@@ -29,6 +29,7 @@ ATTEMPT: Final = "scheduler_scheduling_attempt_duration_seconds"
 ALGORITHM: Final = "scheduler_scheduling_algorithm_duration_seconds"
 EXTENSION_POINT: Final = "scheduler_framework_extension_point_duration_seconds"
 CYCLE_POINTS: Final = ("PreFilter", "Filter", "PreScore", "Score", "Reserve", "Permit")
+CYCLE_CALLS: Final = "tessera_scheduler_cycle_calls_total"
 
 Json = dict[str, Any]
 
@@ -48,6 +49,8 @@ class Sampler:
     scrapes: dict[str, list[promtext.Histogram]] = field(default_factory=dict)
     requests: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
     watch_events: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
+    # the plugin server's Cycle calls by whether another call's message carried them
+    cycle_calls: dict[str, dict[promtext.Labels, float]] = field(default_factory=dict)
     metrics_error: str | None = None
 
     def mark(self, name: str, *, procs: bool = True, scrapes: bool = True) -> None:
@@ -74,9 +77,9 @@ class Sampler:
                 log.debug("bench.scheduler_metrics_failed", mark=name, error=str(e))
         if self.metrics_url is not None:
             try:
-                self.scrapes[name] = promtext.histograms(
-                    promtext.parse(_http_text(self.metrics_url))
-                )
+                samples = promtext.parse(_http_text(self.metrics_url))
+                self.scrapes[name] = promtext.histograms(samples)
+                self.cycle_calls[name] = promtext.counter_totals(samples, CYCLE_CALLS, ("carried",))
             except (OSError, TesseraError) as e:
                 self.metrics_error = f"{self.metrics_url}: {e}"
         if self.api is not None:
@@ -154,6 +157,20 @@ class Sampler:
                 "threads": s.threads,
             }
         return out
+
+    def cycle_messages_json(self, a: str, b: str) -> Json:
+        """The plugin server's Cycle stream between two marks: the messages (a call each),
+        and the calls they carried besides (the shim's Reserves sent with the next
+        PreFilter); {} without both scrapes."""
+        if a not in self.cycle_calls or b not in self.cycle_calls:
+            return {}
+        before, after = self.cycle_calls[a], self.cycle_calls[b]
+
+        def delta(carried: str) -> int:
+            key = (("carried", carried),)
+            return int(after.get(key, 0.0) - before.get(key, 0.0))
+
+        return {"messages": delta("false"), "carried": delta("true")}
 
     def histograms_json(self, a: str, b: str) -> list[Json]:
         if a not in self.scrapes or b not in self.scrapes:
