@@ -223,3 +223,48 @@ func TestClosingTheStreamFailsAHeldReserve(t *testing.T) {
 		t.Errorf("Reserve calls = %d, want 0", n)
 	}
 }
+
+// A server that does not handle before may replace one that did (a rollback): the new stream
+// holds nothing back until its server says it handles before.
+func TestAReopenedStreamHoldsNothingUntilItsServerHandlesBefore(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "plugin.sock")
+	first := &fakeServer{calls: map[string]int{}, preFilter: okResponse()}
+	stop := serveFake(t, first, socket)
+	p := newTestPlugin(t, &Args{Socket: socket})
+	holdReserves(p, time.Hour)
+	ctx := context.Background()
+	pod := makePod("p").gpu("1").obj()
+	if _, st := p.PreFilter(ctx, newState(), pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter = %v", st)
+	}
+	stop()
+
+	older := &fakeServer{calls: map[string]int{}, preFilter: okResponse(), noBefore: true}
+	serveFake(t, older, socket)
+	state := newState()
+	var st *fwk.Status
+	for range 50 { // grpc reconnects with backoff; each PreFilter fails fast until then
+		if _, st = p.PreFilter(ctx, state, pod, nil); st.IsSuccess() {
+			break
+		}
+	}
+	if !st.IsSuccess() {
+		t.Fatalf("PreFilter on the new server = %v", st)
+	}
+	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve = %v", st)
+	}
+	done := make(chan *fwk.Status, 1)
+	go func() { done <- p.PreBind(ctx, state, pod, "n1") }()
+	select {
+	case st := <-done:
+		if !st.IsSuccess() {
+			t.Fatalf("PreBind = %v", st)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the Reserve was held for a server that never said it handles before")
+	}
+	if n := older.count("Reserve"); n != 1 {
+		t.Errorf("the new server got %d Reserves, want 1", n)
+	}
+}
