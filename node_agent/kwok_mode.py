@@ -618,14 +618,24 @@ class KwokAgents:
 
     def handle(self, event_type: str, pod: Mapping[str, Any]) -> None:
         """React to one pod event (also used for the listed pods, as ADDED): index it at
-        once, and queue a look at it on its node."""
+        once, and queue a look at it on its node when there is something to do."""
         if event_type == "DELETED":
             self.pods.delete(pod)
         else:
             self.pods.offer(pod)
         node_name = _node_of(pod)
-        if node_name:
-            self._queues.submit(node_name, pod_key(pod))
+        key = pod_key(pod)
+        if node_name and self._needs_look(node_name, key):
+            self._queues.submit(node_name, key)
+
+    def _needs_look(self, node_name: str, key: str) -> bool:
+        """Whether ``_work`` would do anything for the pod as the index holds it now: allocate
+        it, or reconcile its node's MIG instances (gone, moved or ended). Anything else (kwok
+        marking an allocated pod running) queues nothing: no worker wakes for it."""
+        pod = self.pods.get(key)
+        if pod is None or _node_of(pod) != node_name or _ended(pod):
+            return True
+        return annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod)
 
     def _work(self, node_name: str, key: str) -> None:
         node = self.node(node_name)

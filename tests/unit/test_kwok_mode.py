@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 
-from node_agent.kwok_mode import NodeQueues, PodIndex, guarded_ops
+from api.hami.config import DeviceConfig
+from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE
+from node_agent.kwok_mode import KwokAgents, NodeQueues, PodIndex, guarded_ops
+from tests.node_agent_fakes import FakeKube
 from tests.waiting import eventually
 
 
@@ -261,3 +264,47 @@ def test_a_failing_item_does_not_stop_the_queue() -> None:
         eventually(lambda: calls == ["bad", "good"] and q.idle(), timeout_s=5, interval_s=0.01)
     finally:
         q.close()
+
+
+# Which events wake a node's worker ---------------------------------------------------------------
+
+
+def test_only_events_with_work_queue_a_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocating pod, a pod gone, moved or ended wake the node's worker; kwok marking an
+    allocated pod running does not (nothing for the worker to do)."""
+    agents = KwokAgents(FakeKube(), DeviceConfig())  # type: ignore[arg-type]
+    queued: list[tuple[str, str]] = []
+    monkeypatch.setattr(agents._queues, "submit", lambda node, item: queued.append((node, item)))
+    try:
+        allocating = pod(
+            "a", 1, **{BIND_PHASE: "allocating", DEVICES_TO_ALLOCATE: "GPU-1,NVIDIA,1000,10:;"}
+        )
+        allocated = pod("a", 2, **{BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"})
+        running = {
+            **pod("a", 3, **{BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"}),
+            "status": {"phase": "Running"},
+        }
+        done = {**pod("a", 4, **{BIND_PHASE: "success"}), "status": {"phase": "Succeeded"}}
+        cases = [
+            ("ADDED", allocating, True),
+            ("MODIFIED", allocated, False),
+            ("MODIFIED", running, False),
+            ("MODIFIED", done, True),  # ended: its MIG instances may go
+            ("DELETED", done, True),
+        ]
+        for event, obj, wakes in cases:
+            queued.clear()
+            agents.handle(event, obj)
+            assert queued == ([("n1", "ns/a")] if wakes else []), (event, obj)
+        # A version older than the one held decides nothing: the held one is looked at.
+        agents.handle("ADDED", pod("b", 9, **{BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"}))
+        queued.clear()
+        agents.handle(
+            "MODIFIED",
+            pod(
+                "b", 8, **{BIND_PHASE: "allocating", DEVICES_TO_ALLOCATE: "GPU-1,NVIDIA,1000,10:;"}
+            ),
+        )
+        assert queued == []
+    finally:
+        agents.stop()
