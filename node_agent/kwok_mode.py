@@ -28,6 +28,8 @@ watch delivers events in order and the index is updated before the work is queue
 every patch answer goes into it at once, so a pod's next container sees its last one done.
 Work runs on a pool of threads, serially per node (``NodeQueues``): nodes never wait for
 each other, and repeated events for one pod collapse into one look at its newest version.
+An event after which the pod has nothing to do (kwok marking an allocated pod running)
+queues no look at all.
 """
 
 from __future__ import annotations
