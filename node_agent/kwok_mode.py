@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import structlog
 
@@ -627,17 +627,10 @@ class KwokAgents:
             self.pods.offer(pod)
         node_name = _node_of(pod)
         key = pod_key(pod)
-        if node_name and self._needs_look(node_name, key):
+        # A version after which the pod has nothing to do (kwok marking an allocated pod
+        # running) wakes no worker.
+        if node_name and _pod_work(self.pods.get(key), node_name) is not None:
             self._queues.submit(node_name, key)
-
-    def _needs_look(self, node_name: str, key: str) -> bool:
-        """Whether ``_work`` would do anything for the pod as the index holds it now: allocate
-        it, or reconcile its node's MIG instances (gone, moved or ended). Anything else (kwok
-        marking an allocated pod running) queues nothing: no worker wakes for it."""
-        pod = self.pods.get(key)
-        if pod is None or _node_of(pod) != node_name or _ended(pod):
-            return True
-        return annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod)
 
     def _work(self, node_name: str, key: str) -> None:
         node = self.node(node_name)
@@ -652,11 +645,10 @@ class KwokAgents:
             if key == _MPS_CHECK:
                 self.check_mps(node)
                 return
-            pod = self.pods.get(key)
-            if pod is None or _node_of(pod) != node_name or _ended(pod):
-                if node.has_mig:
-                    self.reconcile(node)
-            elif annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod):
+            work = _pod_work(self.pods.get(key), node_name)
+            if work == "reconcile" and node.has_mig:
+                self.reconcile(node)
+            elif work == "allocate":
                 namespace, _, name = key.partition("/")
                 self.allocate(node, namespace, name)
         except TesseraError as e:
@@ -810,6 +802,19 @@ def _ended(pod: Mapping[str, Any]) -> bool:
         bool(meta.get("deletionTimestamp"))
         or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES
     )
+
+
+def _pod_work(
+    pod: Mapping[str, Any] | None, node_name: str
+) -> Literal["allocate", "reconcile"] | None:
+    """What node ``node_name``'s agent has to do for a pod as the index holds it (None:
+    gone): reconcile the node's MIG instances when the pod is gone, moved or ended, allocate
+    it while it is allocating with containers left, else nothing."""
+    if pod is None or _node_of(pod) != node_name or _ended(pod):
+        return "reconcile"
+    if annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod):
+        return "allocate"
+    return None
 
 
 def _has_pending(pod: Mapping[str, Any]) -> bool:
