@@ -108,17 +108,22 @@ func (c *cycleStream) sendCall(ctx context.Context, req *pluginv1.CycleRequest, 
 // response's); a failed send drops the stream.
 func (c *cycleStream) sendLocked(req *pluginv1.CycleRequest) error {
 	req.Before = c.held
-	c.held = nil
-	if c.timer != nil {
-		c.timer.Stop()
-		c.timer = nil
-	}
+	c.dropHeldLocked()
 	if err := c.stream.Send(req); err != nil {
 		// Send's error is io.EOF when the stream broke; Recv (in receive) has the reason.
 		c.dropLocked(c.stream, err)
 		return err
 	}
 	return nil
+}
+
+// dropHeldLocked forgets the held calls (sent, or failed through waiting) and their timer.
+func (c *cycleStream) dropHeldLocked() {
+	c.held = nil
+	if c.timer != nil {
+		c.timer.Stop()
+		c.timer = nil
+	}
 }
 
 // flush sends the held calls now (Unreserve, or a gang's trial, cannot wait for the window).
@@ -188,11 +193,8 @@ func (c *cycleStream) dropLocked(stream pluginv1.Scheduler_CycleClient, err erro
 		err = status.Error(codes.Unavailable, fmt.Sprintf("Cycle stream ended: %v", err))
 	}
 	c.close()
-	c.stream, c.close, c.batches, c.held = nil, nil, false, nil
-	if c.timer != nil {
-		c.timer.Stop()
-		c.timer = nil
-	}
+	c.stream, c.close, c.batches = nil, nil, false
+	c.dropHeldLocked()
 	for id, answer := range c.waiting {
 		answer <- cycleAnswer{err: err}
 		delete(c.waiting, id)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	v1 "k8s.io/api/core/v1"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"tessera/sidecar-go/pkg/pluginv1"
@@ -38,13 +39,7 @@ func TestCycleStreamBreakFailsUnansweredCallsAndReopens(t *testing.T) {
 	pod := makePod("p").gpu("1").obj()
 	ctx := context.Background()
 
-	state := newState()
-	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
-		t.Fatalf("PreFilter = %v", st)
-	}
-	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve = %v", st)
-	}
+	state := reservedOnN1(t, p, pod)
 	// The server goes away with Reserve unanswered: the binding cycle fails it as a transport
 	// failure (the pod is retried), never binds it.
 	stop()
@@ -90,6 +85,19 @@ func TestCycleAnswerWithoutTheCallsAnswerIsAServerFailure(t *testing.T) {
 	}
 }
 
+// reservedOnN1 runs pod's PreFilter and Reserve on node n1 in a new cycle state.
+func reservedOnN1(t *testing.T, p *Plugin, pod *v1.Pod) fwk.CycleState {
+	t.Helper()
+	state := newState()
+	if _, st := p.PreFilter(context.Background(), state, pod, nil); !st.IsSuccess() {
+		t.Fatalf("PreFilter(%s) = %v", pod.Name, st)
+	}
+	if st := p.Reserve(context.Background(), state, pod, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve(%s) = %v", pod.Name, st)
+	}
+	return state
+}
+
 // holdReserves makes p's stream hold a Reserve back for window.
 func holdReserves(p *Plugin, window time.Duration) {
 	p.cycle.mu.Lock()
@@ -104,13 +112,7 @@ func TestReserveTravelsWithTheNextPreFilter(t *testing.T) {
 	ctx := context.Background()
 	a, b := makePod("a").gpu("1").obj(), makePod("b").gpu("1").obj()
 
-	first := newState()
-	if _, st := p.PreFilter(ctx, first, a, nil); !st.IsSuccess() {
-		t.Fatalf("PreFilter(a) = %v", st)
-	}
-	if st := p.Reserve(ctx, first, a, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve(a) = %v", st)
-	}
+	first := reservedOnN1(t, p, a)
 	if _, st := p.PreFilter(ctx, newState(), b, nil); !st.IsSuccess() {
 		t.Fatalf("PreFilter(b) = %v", st)
 	}
@@ -134,13 +136,7 @@ func TestHeldReserveGoesAloneWhenNoPreFilterFollows(t *testing.T) {
 	holdReserves(p, 5*time.Millisecond)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
-	state := newState()
-	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
-		t.Fatalf("PreFilter = %v", st)
-	}
-	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve = %v", st)
-	}
+	state := reservedOnN1(t, p, pod)
 	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
 		t.Fatalf("PreBind = %v (the window's timer sends the held Reserve)", st)
 	}
@@ -155,13 +151,7 @@ func TestUnreserveSendsAHeldReserveFirst(t *testing.T) {
 	holdReserves(p, time.Hour)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
-	state := newState()
-	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
-		t.Fatalf("PreFilter = %v", st)
-	}
-	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve = %v", st)
-	}
+	state := reservedOnN1(t, p, pod)
 	done := make(chan struct{})
 	go func() {
 		p.Unreserve(ctx, state, pod, "n1")
@@ -185,13 +175,7 @@ func TestNoReserveIsHeldForAServerThatDoesNotHandleBefore(t *testing.T) {
 	holdReserves(p, time.Hour)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
-	state := newState()
-	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
-		t.Fatalf("PreFilter = %v", st)
-	}
-	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve = %v", st)
-	}
+	state := reservedOnN1(t, p, pod)
 	if st := p.PreBind(ctx, state, pod, "n1"); !st.IsSuccess() {
 		t.Fatalf("PreBind = %v (the Reserve must have gone at once)", st)
 	}
@@ -208,13 +192,7 @@ func TestClosingTheStreamFailsAHeldReserve(t *testing.T) {
 	holdReserves(p, time.Hour)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
-	state := newState()
-	if _, st := p.PreFilter(ctx, state, pod, nil); !st.IsSuccess() {
-		t.Fatalf("PreFilter = %v", st)
-	}
-	if st := p.Reserve(ctx, state, pod, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve = %v", st)
-	}
+	state := reservedOnN1(t, p, pod)
 	p.cycle.Close()
 	if st := p.PreBind(ctx, state, pod, "n1"); st.IsSuccess() {
 		t.Error("PreBind succeeded with a Reserve that was never sent")
