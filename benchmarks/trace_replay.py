@@ -21,9 +21,9 @@ A pod in HAMi's terms: ``gpu_milli`` m < 1000 is one device of ``gpucores`` m/10
   profile puts them (``core.hostfit``: NodeResourcesFit LeastAllocated + BalancedAllocation);
 - ``hami-best-pair``: node spread, GPU binpack (the best of HAMi's four pairs here), the same;
 - ``tessera-gpu-pods``: Tessera's fragmentation policy (``core.fragmentation``: GPU, CPU and
-  memory, the workload learned from the pods held) through the engine for GPU pods, CPU-only
-  pods as kube-scheduler places them (what a cluster gets where only GPU pods are scheduled
-  by Tessera);
+  memory, the workload learned from the pods that ask, dropped ones too) through the engine
+  for GPU pods, CPU-only pods as kube-scheduler places them (what a cluster gets where only
+  GPU pods are scheduled by Tessera);
 - ``tessera``: the fragmentation policy for every pod, CPU-only pods too (their CPU and memory
   strand a node's free GPUs).
 
@@ -247,12 +247,16 @@ class Nodes:
 # ----- policies: (nodes, fitting rows, pod) -> (node, GPU columns) ---------------------------
 
 Choice = tuple[int, list[int]]
-Place = Callable[[Nodes, I64, Pod], Choice]
+Place = Callable[[Nodes, I64, Pod], Choice | None]
+"""A policy sees every pod as it arrives, with the nodes that fit it (``cand``, maybe none:
+the live scheduler is asked about a pod no node has room for too); None: it is dropped."""
 
 
-def kube_default(nodes: Nodes, cand: I64, pod: Pod) -> Choice:
+def kube_default(nodes: Nodes, cand: I64, pod: Pod) -> Choice | None:
     """kube-scheduler's default score for a pod Tessera leaves to it (``core.hostfit``:
     NodeResourcesFit LeastAllocated + NodeResourcesBalancedAllocation), first of the top."""
+    if not cand.size:
+        return None
     c = nodes.cluster
     score = hostfit.kube_scores(
         HostAmounts(c.cpu[cand], c.memory[cand]),
@@ -284,11 +288,12 @@ class Engine:
             )
         self.n = 0
 
-    def place(self, nodes: Nodes, cand: I64, pod: Pod) -> Choice:
+    def place(self, nodes: Nodes, cand: I64, pod: Pod) -> Choice | None:
         if not pod.gpus and not self.cpu_pods:
-            i, cols = kube_default(nodes, cand, pod)
-            self._assume(nodes.cluster.names[i], pod)
-            return i, cols
+            choice = kube_default(nodes, cand, pod)
+            if choice is not None:
+                self._assume(nodes.cluster.names[choice[0]], pod)
+            return choice
         self.n += 1
         pct = pod.milli // 10
         req = PodRequest(
@@ -308,6 +313,10 @@ class Engine:
             cpu_milli=pod.cpu,
             memory_bytes=pod.memory,
         )
+        if not cand.size:  # asked about as the live scheduler is (the workload counts it)
+            if pod.gpus and decide(self.state, req).best_node() is not None:
+                raise AssertionError(f"the engine finds a node for {pod} where none fits")
+            return None
         if not pod.gpus:  # the rule the live scheduler applies to such a pod
             node = place_host_only(self.state, req).best()
             if node is None:
@@ -346,7 +355,9 @@ def fgd_paper(pods: Sequence[Pod], seed: int) -> Place:
     mix = frag.TaskMix.of(counts, coverage=1.0)
     rng = np.random.default_rng(seed)
 
-    def place(nodes: Nodes, cand: I64, pod: Pod) -> Choice:
+    def place(nodes: Nodes, cand: I64, pod: Pod) -> Choice | None:
+        if not cand.size:
+            return None
         free = nodes.free(cand)
         shape = frag.Shape(pod.cpu, 0, pod.gpus, pod.milli / MILLI if pod.gpus else 0.0)
         d = frag.placement_delta(free, nodes.cpu_left[cand], np.full(len(cand), np.inf), mix, shape)
@@ -360,7 +371,9 @@ def fgd_paper(pods: Sequence[Pod], seed: int) -> Place:
 def random_policy(seed: int) -> Place:
     rng = np.random.default_rng(seed)
 
-    def place(nodes: Nodes, cand: I64, pod: Pod) -> Choice:
+    def place(nodes: Nodes, cand: I64, pod: Pod) -> Choice | None:
+        if not cand.size:
+            return None
         i = int(rng.choice(cand))
         fit = np.flatnonzero(nodes._gpu_fit(pod, np.array([i]))[0])
         return i, [int(g) for g in rng.permutation(fit)[: pod.gpus]] if pod.gpus else []
@@ -430,8 +443,11 @@ def replay(cluster: Cluster, pods: Sequence[Pod], order: Sequence[int], place: P
     for idx in order:
         pod = pods[idx]
         cand = np.flatnonzero(nodes.fits(pod))
-        if cand.size:
-            i, cols = place(nodes, cand, pod)
+        choice = place(nodes, cand, pod)
+        if (choice is None) != (cand.size == 0):
+            raise AssertionError(f"the policy dropped {pod} where {cand.size} nodes fit")
+        if choice is not None:
+            i, cols = choice
             if pod.gpus and len(cols) != pod.gpus:
                 raise AssertionError(f"policy placed {len(cols)} of {pod.gpus} devices")
             nodes.place(i, pod, cols)

@@ -352,6 +352,7 @@ _OK_OFFSET.setflags(write=False)
 
 
 def decide(state: ClusterState, request: PodRequest) -> Decision:
+    asking(state, request)
     layout = state.layout()
     # The layout's work arrays (and its tables'), unless another decision holds them now.
     owned = layout.scratch.acquire()
@@ -1754,6 +1755,32 @@ def _fragmentation_applies(request: PodRequest) -> bool:
     )
 
 
+def _shape(request: PodRequest) -> frag.Shape:
+    """The fragmentation rule's kind of pod for ``request`` (its first container's devices:
+    the rule ranks pods of one container): each device the larger of its cores and memory
+    percentages of a GPU."""
+    c = request.containers[0] if request.containers else None
+    return frag.pod_shape(
+        request.cpu_milli,
+        request.memory_bytes,
+        c.count if c is not None else 0,
+        max(c.cores / 100, c.mem_percent / 100) if c is not None else 0.0,
+    )
+
+
+def asking(state: ClusterState, request: PodRequest) -> None:
+    """Count ``request`` in the workload the fragmentation policy weighs (``state.kinds``,
+    each pod once): a pod of one container of devices a shared (hami-core, MPS) GPU may
+    take, whatever its own node policy. ``decide`` calls it for every pod it places; a
+    caller that learns of a pod no node has room for without deciding (the trace replay)
+    calls it itself."""
+    if len(request.containers) != 1 or not request.containers[0].count:
+        return
+    offered = rules.modes(request.modes)
+    if any(m in offered for m in rules.SHARED_MODES):
+        state.kinds.arrive(request.uid or request.key, _shape(request))
+
+
 def _host_left(state: ClusterState, nodes: I64) -> tuple[F64, F64]:
     """CPU and memory left on ``nodes`` (the state's node indices; inf where the node's
     allocatable is unknown)."""
@@ -1776,14 +1803,7 @@ class _Frag:
 
     @staticmethod
     def of(state: ClusterState, layout: Layout, request: PodRequest) -> _Frag:
-        c = request.containers[0] if request.containers else None
-        shape = frag.pod_shape(
-            request.cpu_milli,
-            request.memory_bytes,
-            c.count if c is not None else 0,
-            max(c.cores / 100, c.mem_percent / 100) if c is not None else 0.0,
-        )
-        return _Frag(state.task_mix(), shape, state, layout.node_idx)
+        return _Frag(state.task_mix(), _shape(request), state, layout.node_idx)
 
     def left(self, segments: I64) -> tuple[F64, F64]:
         """CPU and memory left on ``segments`` (``_host_left``)."""
@@ -2266,6 +2286,7 @@ __all__ = [
     "Decision",
     "PlannedDevice",
     "PodPlan",
+    "asking",
     "decide",
     "feasible_on",
     "plan_on",

@@ -17,8 +17,8 @@ GPU work removes its share from F, so a good placement has a negative delta), an
 to the GPU that raises it least. CPU-only pods are placed by the same rule: their CPU and
 memory can strand a node's free GPUs.
 
-The workload (``TaskMix``) is what the cluster holds (``KindCounts``, kept by the cluster
-state as pods come and go): the kinds of shared-GPU pods covering most of them, by count. Its
+The workload (``TaskMix``) is what asks for room (``KindCounts``, kept by the cluster state:
+the last ``WINDOW`` shared-GPU pods that asked): the kinds covering most of them, by count. Its
 unit is the *share* of one GPU: a shared (hami-core, MPS) GPU's free share is the smaller of
 its free cores and free memory shares (0 without a free slot); a device takes the larger of
 its cores and memory shares of the GPU, a whole-GPU device all of it (only an unused GPU has
@@ -35,8 +35,7 @@ Pure: numpy arrays in, numpy arrays out; no cluster state, no clock.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -123,14 +122,9 @@ DEFAULT_MIX: Final = TaskMix(np.zeros(1), np.zeros(1), np.ones(1), np.ones(1), n
 
 MIX_DRIFT: Final = 0.02
 """The mix is rebuilt only once the workload moved this far (``drift``) from the one it was
-built from, and at least as far as the counts' own uncertainty (``mix_noise``)."""
-
-
-def mix_noise(pods: int, kinds: int) -> float:
-    """How far the counts of ``pods`` GPU pods of ``kinds`` kinds may be from the workload's
-    by chance, in total variation: about sqrt(kinds / pods) / 2 (two samples of one workload
-    differ that much; at most 1.0, 1.0 with no pods)."""
-    return min(1.0, math.sqrt(max(kinds, 1) / pods) / 2) if pods > 0 else 1.0
+built from. (Waiting also until it moved farther than chance, sqrt(kinds / pods) / 2, kept a
+young cluster on the mix of its first pods far too long: 0.35 % of the GPUs less on the FGD
+paper's gpushare40 trace.)"""
 
 
 def _shapes(mix: TaskMix) -> frozenset[Shape]:
@@ -150,32 +144,60 @@ def drift(a: Mapping[Shape, float], b: Mapping[Shape, float]) -> float:
     return sum(abs(a.get(k, 0.0) / ta - b.get(k, 0.0) / tb) for k in a.keys() | b.keys()) / 2
 
 
+WINDOW: Final = 4096
+"""The workload is the kinds of the last this many GPU pods that asked for room
+(``KindCounts``)."""
+
+
 class KindCounts:
-    """The kinds of pods held, counted as they come and go (a cluster state keeps one).
+    """The workload: the kinds of the last ``window`` GPU pods that asked for room, each pod
+    once (by its identity, however often it is retried), counted as they come (a cluster
+    state keeps one). What arrives, not what is held: the placement keeps room for the pods
+    to come, and what the cluster holds under-counts the kinds it could not place (README.md,
+    "Fragmentation-aware placement", has what each allocates on the FGD paper's traces). A pod
+    found holding GPUs without having asked (bound before a restart, or by another
+    scheduler) counts as arriving then.
+
     ``mix`` is looked at once the counts moved by a hundredth (at least ``_REWEIGH`` pods)
-    since the last look, at once when a kind of the mix in use is held no more or the first
-    GPU pod comes. It is rebuilt when a kind of the one in use is gone, or when the GPU pods
-    held (every kind of them, not only the mix's) are ``MIX_DRIFT`` away from those it was
-    built from and farther than chance (``mix_noise`` of the GPU pods held and their kinds).
-    What the policy keeps per node is computed for one mix (a new mix moves every node to
-    it), so neither a burst of pods of known kinds, nor new kinds one pod at a time, nor
-    kinds trading places at the mix's cut (many about as common), nor the noise of a few
-    pods does that per pod."""
+    since the last look, at once when a kind of the mix in use left the window or the first
+    GPU pod comes. It is rebuilt when a kind of the one in use is gone, or when the pods
+    counted (every kind of them, not only the mix's) are ``MIX_DRIFT`` away from those it was
+    built from. What the policy keeps per node is computed for one mix (a new mix moves
+    every node to it), so neither a burst of pods of known kinds, nor new kinds one pod at a
+    time, nor kinds trading places at the mix's cut (many about as common) does that per
+    pod."""
 
     _REWEIGH: Final = 16
 
-    def __init__(self, coverage: float = COVERAGE) -> None:
+    def __init__(self, coverage: float = COVERAGE, window: int = WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"a window of {window} pods: it must hold at least one")
         self._coverage = coverage
+        self._window = window
+        self._arrived: deque[tuple[str, Shape]] = deque()
+        self._seen: set[str] = set()
         self._counts: Counter[Shape] = Counter()
         self._moved = 0
-        self._held = 0
         self._kinds_changed = False
         self._mix: TaskMix = DEFAULT_MIX
         self._mix_kinds: frozenset[Shape] = frozenset()
         self._built_from: dict[Shape, int] = {}  # the GPU pods the mix in use was built from
 
-    def add(self, cpu_milli: int, memory_bytes: int, gpus: int, share: float, sign: int) -> None:
-        shape = pod_shape(cpu_milli, memory_bytes, gpus, share)
+    def arrive(self, ident: str, shape: Shape) -> None:
+        """Pod ``ident`` (its uid, else namespace/name), of kind ``shape`` (``pod_shape``),
+        asks for room: counted unless it is in the window already ("" is never a repeat)."""
+        if ident and ident in self._seen:
+            return
+        self._arrived.append((ident, shape))
+        if ident:
+            self._seen.add(ident)
+        self._count(shape, +1)
+        if len(self._arrived) > self._window:
+            old, old_shape = self._arrived.popleft()
+            self._seen.discard(old)
+            self._count(old_shape, -1)
+
+    def _count(self, shape: Shape, sign: int) -> None:
         n = self._counts[shape] + sign
         if n > 0:
             # a first GPU kind replaces the default at once; later ones wait for a reweigh
@@ -185,16 +207,13 @@ class KindCounts:
         else:
             self._kinds_changed |= shape in self._mix_kinds  # a kind of the mix is gone
             del self._counts[shape]
-        self._held += sign
         self._moved += 1
 
     def mix(self) -> TaskMix:
-        if self._kinds_changed or self._moved >= max(self._REWEIGH, self._held // 100):
+        if self._kinds_changed or self._moved >= max(self._REWEIGH, len(self._arrived) // 100):
             gpu = {s: n for s, n in self._counts.items() if s.gpus}
             gone = not self._mix_kinds.issubset(self._counts)
-            if gone or drift(self._built_from, gpu) >= max(
-                MIX_DRIFT, mix_noise(sum(gpu.values()), len(gpu))
-            ):
+            if gone or drift(self._built_from, gpu) >= MIX_DRIFT:
                 self._mix = TaskMix.of(gpu, self._coverage)
                 self._mix_kinds = _shapes(self._mix)
                 self._built_from = gpu
@@ -524,6 +543,7 @@ __all__ = [
     "COVERAGE",
     "DEFAULT_MIX",
     "MIX_DRIFT",
+    "WINDOW",
     "Delta",
     "KindCounts",
     "Parts",
@@ -534,7 +554,6 @@ __all__ = [
     "fragmentation",
     "free_share",
     "last_min",
-    "mix_noise",
     "node_best",
     "node_deltas",
     "node_score",

@@ -23,7 +23,7 @@ from api.hami.config import DeviceConfig
 from api.hami.keys import GpuMode
 from api.hami.nodes import PairScores
 from api.hami.register import GpuDevice, MigProfile, Placement
-from scheduler_plugins.core.fragmentation import KindCounts, TaskMix
+from scheduler_plugins.core.fragmentation import KindCounts, TaskMix, pod_shape
 from scheduler_plugins.core.mig_policy import (
     MAX_SLICES,
     ChoiceTable,
@@ -494,7 +494,8 @@ class ClusterState:
         self.node_used_slots: npt.NDArray[np.float64] = _zeros(0)
         self.node_used_mem: npt.NDArray[np.float64] = _zeros(0)
         self.node_used_cores: npt.NDArray[np.float64] = _zeros(0)
-        # The kinds of shared-GPU pods held: the workload the fragmentation policy weighs.
+        # The kinds of shared-GPU pods that asked for room: the workload the fragmentation
+        # policy weighs (``decide.asking``; pods found holding GPUs count too).
         self.kinds = KindCounts()
 
     # ----- change notification -----------------------------------------------------------
@@ -826,20 +827,19 @@ class ClusterState:
         self.node_used_mem[idx] += sign * sum(u.mem for u in used)
         self.node_used_cores[idx] += sign * sum(u.cores for u in used)
         shared = [u for u in used if u.start == u.end and not u.legacy]
-        if shared and len(shared) == len(used):
+        if sign > 0 and shared and len(shared) == len(used):
             g = self.gpus
             row = shared[0].row
-            self.kinds.add(
-                alloc.cpu_milli,
-                alloc.memory_bytes,
-                len(shared),
-                max(shared[0].cores / g.cores[row], shared[0].mem / g.mem[row]),
-                sign,
+            share = max(shared[0].cores / g.cores[row], shared[0].mem / g.mem[row])
+            self.kinds.arrive(  # a pod that never asked here (bound before a restart) counts now
+                alloc.uid or alloc.key,
+                pod_shape(alloc.cpu_milli, alloc.memory_bytes, len(shared), share),
             )
         rec.applied = sign > 0
 
     def task_mix(self) -> TaskMix:
-        """The workload as the fragmentation policy weighs it: the kinds of pods held now."""
+        """The workload as the fragmentation policy weighs it: the kinds of the pods that
+        asked for room last."""
         return self.kinds.mix()
 
     # ----- views -------------------------------------------------------------------------

@@ -113,11 +113,13 @@ def three_gpus(node: str) -> tuple[Any, ...]:
     return tuple(gpu(f"{node}-{i}", index=i, mem=1000) for i in range(3))
 
 
-def _held(node: str, uuid: str, mem: int, cores: int, cpu: int) -> Any:
+def _held(node: str, uuid: str, mem: int, cores: int, cpu: int, uid: str = "") -> Any:
     from api.hami.devices import DeviceAlloc
     from scheduler_plugins.core.requests import PodAllocation
 
-    return PodAllocation(f"held/{uuid}", node, (DeviceAlloc(uuid, mem, cores),), (), cpu, 0)
+    return PodAllocation(
+        f"held/{uuid}", node, (DeviceAlloc(uuid, mem, cores),), (), cpu, 0, uid=uid
+    )
 
 
 def test_a_pod_naming_binpack_or_spread_gets_hamis_rule() -> None:
@@ -172,7 +174,9 @@ def test_cpu_only_pods_are_ranked_by_what_they_strand() -> None:
     assert d.best_node() == "full"
 
 
-def test_the_state_learns_the_workload_from_the_pods_it_holds() -> None:
+def test_the_state_learns_the_workload_from_the_pods_that_ask() -> None:
+    """The workload is what asks for room, each pod once: pods no node has room for count,
+    pods leaving do not take their kind with them, a pod retried counts once."""
     st = state(a=(two_gpus("a"), 16000))
     assert st.task_mix() is fr.DEFAULT_MIX
     for i in range(3):
@@ -180,10 +184,30 @@ def test_the_state_learns_the_workload_from_the_pods_it_holds() -> None:
     mix = st.task_mix()
     assert mix.share.tolist() == pytest.approx([0.3])  # a new kind: known at once
     assert mix.cpu.tolist() == [1000]
-    st.forget("default/p0")
-    st.forget("default/p1")
-    st.forget("default/p2")
-    assert st.task_mix() is fr.DEFAULT_MIX
+    for i in range(3):
+        st.forget(f"default/p{i}")
+    assert st.task_mix() is mix  # what comes next is still that kind
+    big = request("big", 100, cpu="64")  # more CPU than the node has: fits nowhere
+    for _ in range(40):
+        assert decide(st, big).best_node() is None  # retried: one pod
+    for i in range(13):  # 16 pods since the mix was built: it is looked at again
+        assert decide(st, request(f"w{i}", 100, cpu="64")).best_node() is None
+    mix = st.task_mix()
+    assert mix.share.tolist() == pytest.approx([0.3, 1.0])
+    assert mix.weight.tolist() == pytest.approx([3 / 17, 14 / 17])
+
+
+def test_a_pod_found_holding_gpus_counts_as_asking_once() -> None:
+    """A pod bound before a restart (or by another scheduler) is workload too: it counts when
+    the state learns of it, and not again when it is decided for."""
+    st = state(a=(two_gpus("a"), 16000))
+    req = request("p", 40)
+    st.assume(_held("a", "a-0", 400, 40, 1000, uid=req.uid or req.key))
+    assert st.task_mix().share.tolist() == pytest.approx([0.4])
+    decide(st, req)
+    for i in range(16):  # 16 pods since the mix was built: it is looked at again
+        decide(st, request(f"q{i}", 20))
+    assert st.task_mix().weight.tolist() == pytest.approx([16 / 17, 1 / 17])
 
 
 def test_a_pod_leaving_the_choice_to_tessera_is_offered_its_best_node_alone() -> None:
@@ -257,9 +281,9 @@ def test_a_new_mix_moves_the_kept_rows_a_few_per_decision(monkeypatch: pytest.Mo
     req = request("q", 30)
     decide(st, req)  # rows kept under a mix of half-GPU pods
     first = st.task_mix()
-    for i in range(16):  # a new kind, most of what is held now, on two nodes
+    for i in range(16):  # a new kind, most of what asked, on two nodes
         n = names[100 + i % 2]
-        st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000))
+        st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000, uid=f"new{i}"))
     assert st.task_mix() is not first
     recomputed = count_recomputed_rows(monkeypatch)
     step = -(-len(names) // 32)
@@ -289,7 +313,7 @@ def test_a_kind_asked_again_after_a_move_catches_up_a_step_per_decision(
     first = st.task_mix()
     for i in range(16):
         n = names[100 + i % 2]
-        st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000))
+        st.assume(_held(n, f"{n}-{i % 3}", 100, 10, 1000, uid=f"new{i}"))
     assert st.task_mix() is not first
     for _ in range(32):  # every row moves while only another kind is asked
         decide(st, other)

@@ -177,20 +177,39 @@ def test_mix_has_at_most_max_kinds() -> None:
     assert len(fr.TaskMix.of(counts, coverage=1.0).weight) == fr.MAX_KINDS
 
 
-def test_kind_counts_follow_pods_in_and_out() -> None:
-    kinds = fr.KindCounts()
-    kinds.add(1000, 0, 1, 0.25, +1)
+class Asking:
+    """Pods asking for room, each a new one (``KindCounts.arrive``)."""
+
+    def __init__(self, kinds: fr.KindCounts) -> None:
+        self.kinds = kinds
+        self.n = 0
+
+    def __call__(self, cpu: int, share: float, times: int = 1) -> None:
+        for _ in range(times):
+            self.n += 1
+            self.kinds.arrive(f"p{self.n}", fr.Shape(cpu, 0, 1, share))
+
+
+def test_kind_counts_follow_the_pods_that_ask() -> None:
+    kinds = fr.KindCounts(window=32)
+    ask = Asking(kinds)
+    ask(1000, 0.25)
     assert kinds.mix().share.tolist() == [0.25]  # the first GPU kind: at once
-    kinds.add(1000, 0, 1, 0.5, +1)
+    ask(1000, 0.5)
     assert kinds.mix().share.tolist() == [0.25]  # later ones at the next reweigh
-    for _ in range(15):
-        kinds.add(1000, 0, 1, 0.5, +1)
+    ask(1000, 0.5, 15)
     assert kinds.mix().share.tolist() == [0.25, 0.5]  # by share
-    for _ in range(16):
-        kinds.add(1000, 0, 1, 0.5, -1)
-    assert kinds.mix().share.tolist() == [0.25]  # a kind of the mix gone: at once
-    kinds.add(1000, 0, 1, 0.25, -1)
-    assert kinds.mix() is fr.DEFAULT_MIX
+    for _ in range(40):
+        kinds.arrive("p1", fr.Shape(1000, 0, 1, 0.25))  # a pod retried: counted once
+    ask(1000, 0.5, 15)  # 32 pods: as many as the window holds
+    assert kinds.mix().share.tolist() == [0.25, 0.5]
+    ask(1000, 0.5)  # the 33rd: the 0.25 pod, the first, left the window
+    assert kinds.mix().share.tolist() == [0.5]  # a kind of the mix gone: at once
+
+
+def test_kind_counts_refuse_an_empty_window() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        fr.KindCounts(window=0)
 
 
 @pytest.mark.parametrize(
@@ -276,54 +295,41 @@ def test_a_mix_that_barely_moved_is_kept_so_kept_rows_stay_valid() -> None:
     than ``MIX_DRIFT`` keeps the one in use; a real shift, or a new kind once it weighs that
     much, replaces it."""
     kinds = fr.KindCounts()
+    ask = Asking(kinds)
     for _ in range(500):
-        kinds.add(1000, 0, 1, 0.5, +1)
-        kinds.add(2000, 0, 1, 0.25, +1)
+        ask(1000, 0.5)
+        ask(2000, 0.25)
     first = kinds.mix()
-    for _ in range(160):  # a reweigh is due; 660:500 vs 500:500 is a drift of 0.07
-        kinds.add(1000, 0, 1, 0.5, +1)
+    ask(1000, 0.5, 160)  # a reweigh is due; 660:500 vs 500:500 is a drift of 0.07
     shifted = kinds.mix()
     assert shifted is not first and shifted.weight.tolist() == pytest.approx(
         [500 / 1160, 660 / 1160]
     )
-    for _ in range(8):  # 660:508 vs 660:500
-        kinds.add(2000, 0, 1, 0.25, +1)
-    for _ in range(8):
-        kinds.add(2000, 0, 1, 0.25, -1)
-    assert kinds.mix() is shifted  # moved 16 and back: the same weights
-    kinds.add(3000, 0, 1, 1.0, +1)  # a new kind, within the 5 % the mix leaves out
+    ask(2000, 0.25, 16)  # 660:516 vs 660:500, a drift of 0.006
     assert kinds.mix() is shifted
-    for _ in range(15):  # 16 of 1176: still within those 5 %
-        kinds.add(3000, 0, 1, 1.0, +1)
+    ask(3000, 1.0)  # a new kind, within the 5 % the mix leaves out
     assert kinds.mix() is shifted
-    for _ in range(46):  # 62 of 1222: past them, a drift of 5 %
-        kinds.add(3000, 0, 1, 1.0, +1)
+    ask(3000, 1.0, 15)  # 16 of 1192: a drift of 0.016
+    assert kinds.mix() is shifted
+    ask(3000, 1.0, 48)  # 64 of 1240: past MIX_DRIFT, and past the 5 % the mix leaves out
     assert kinds.mix().share.tolist() == [0.25, 0.5, 1.0]
 
 
-def test_a_young_clusters_mix_moves_only_past_its_noise() -> None:
-    """Few pods say little about the workload: the mix is rebuilt only once the pods held
-    are farther than ``mix_noise`` (sqrt(kinds / GPU pods) / 2) from those it was built from;
-    a kind of the mix in use that is no longer held rebuilds it whatever the count."""
+def test_a_young_clusters_mix_follows_each_move_past_the_drift() -> None:
+    """A few pods are the best guess of the workload there is: the mix follows them at each
+    reweigh where it moved ``MIX_DRIFT`` or more."""
     kinds = fr.KindCounts()
+    ask = Asking(kinds)
     for _ in range(8):
-        kinds.add(1000, 0, 1, 0.5, +1)
-        kinds.add(2000, 0, 1, 0.25, +1)
+        ask(1000, 0.5)
+        ask(2000, 0.25)
     first = kinds.mix()
     assert first.weight.tolist() == [0.5, 0.5]
-    for _ in range(16):  # 24:8 is a drift of 0.25; the noise of 32 pods of 2 kinds 0.125
-        kinds.add(1000, 0, 1, 0.5, +1)
-    assert kinds.mix() is not first
+    ask(1000, 0.5, 16)  # 24:8, a drift of 0.25
     second = kinds.mix()
-    for _ in range(16):  # 40:8 vs 24:8: a drift of 0.083, under the noise of 48 pods (0.102)
-        kinds.add(1000, 0, 1, 0.5, +1)
-    assert kinds.mix() is second
-    for _ in range(8):
-        kinds.add(2000, 0, 1, 0.25, -1)
-    assert kinds.mix().share.tolist() == [0.5]
-    assert fr.mix_noise(0, 2) == 1.0
-    assert fr.mix_noise(400, 4) == pytest.approx(0.05)
-    assert fr.mix_noise(4000, 400) == pytest.approx(0.158, abs=1e-3)  # many kinds: noisier
+    assert second is not first and second.weight.tolist() == [0.25, 0.75]
+    ask(1000, 0.5, 16)  # 40:8 vs 24:8, a drift of 0.083
+    assert kinds.mix().weight.tolist() == pytest.approx([8 / 48, 40 / 48])
 
 
 def test_drift_is_total_variation_over_both_workloads_kinds() -> None:
@@ -341,11 +347,11 @@ def test_kinds_trading_places_at_the_mix_cut_do_not_rebuild_it() -> None:
     left-out kinds puts them above kinds in the mix: the workload barely moved, the mix
     stays."""
     kinds = fr.KindCounts()
+    ask = Asking(kinds)
     for i in range(2 * fr.MAX_KINDS):
-        for _ in range(30):
-            kinds.add(1000 + i, 0, 1, 0.5, +1)
+        ask(1000 + i, 0.5, 30)
     first = kinds.mix()
     assert len(first.weight) == fr.MAX_KINDS
     for i in range(2 * fr.MAX_KINDS - 30, 2 * fr.MAX_KINDS):  # 30 pods, a reweigh is due
-        kinds.add(1000 + i, 0, 1, 0.5, +1)
+        ask(1000 + i, 0.5)
     assert kinds.mix() is first
