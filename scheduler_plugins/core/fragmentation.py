@@ -197,6 +197,10 @@ class KindCounts:
             self._seen.discard(old)
             self._count(old_shape, -1)
 
+    def __len__(self) -> int:
+        """The pods in the window."""
+        return len(self._arrived)
+
     def _count(self, shape: Shape, sign: int) -> None:
         n = self._counts[shape] + sign
         if n > 0:

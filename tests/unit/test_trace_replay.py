@@ -76,11 +76,39 @@ def test_the_engine_and_the_replay_agree_on_fit(trace: tuple[tr.Cluster, list[tr
     nodes = tr.Nodes(cluster)
     for pod in pods:
         cand = np.flatnonzero(nodes.fits(pod))
-        if cand.size:
-            i, cols = engine.place(nodes, cand, pod)
-            nodes.place(i, pod, cols)
+        choice = engine.place(nodes, cand, pod)
+        assert (choice is None) == (cand.size == 0)
+        if choice is not None:
+            nodes.place(choice[0], pod, choice[1])
     # every pod that fits somewhere is placed; p6 (64 cores) fits nowhere
     assert nodes.used_milli >= 500 + 500 + 1000 + 300
+
+
+def test_every_arriving_pod_is_put_to_the_policy_dropped_ones_too(
+    trace: tuple[tr.Cluster, list[tr.Pod]],
+) -> None:
+    """The live scheduler is asked about pods no node has room for: the replay asks the
+    policy about every pod, and the engine counts those it cannot place in the workload."""
+    cluster, pods = trace
+    engine = tr.Engine(cluster, DeviceConfig(default_node_policy=Policy.FRAGMENTATION), True)
+    asked: list[int] = []
+
+    def place(nodes: tr.Nodes, cand: np.ndarray, pod: tr.Pod) -> tr.Choice | None:
+        asked.append(cand.size)
+        return engine.place(nodes, cand, pod)
+
+    run = tr.replay(cluster, pods, list(range(len(pods))), place)
+    assert len(asked) == len(pods) and asked[6] == 0  # p6 fits nowhere, and was asked about
+    assert run.dropped == {"shared": 1}
+    assert len(engine.state.kinds) == 6  # the GPU pods that asked, p6 too
+
+
+def test_a_policy_dropping_a_pod_that_fits_is_an_error(
+    trace: tuple[tr.Cluster, list[tr.Pod]],
+) -> None:
+    cluster, pods = trace
+    with pytest.raises(AssertionError, match="dropped"):
+        tr.replay(cluster, pods, [0], lambda nodes, cand, pod: None)
 
 
 def test_bad_trace_files_name_the_problem(tmp_path: Path) -> None:
