@@ -105,10 +105,18 @@ func holdReserves(p *Plugin, window time.Duration) {
 	p.cycle.window = window
 }
 
-func TestReserveTravelsWithTheNextPreFilter(t *testing.T) {
+// startHolding starts a fake server whose PreFilter places pods (handling before unless
+// noBefore) and a plugin whose stream holds a Reserve back for window.
+func startHolding(t *testing.T, window time.Duration, noBefore bool) (*fakeServer, *Plugin) {
+	t.Helper()
 	fake, p := startFake(t, nil)
-	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
-	holdReserves(p, time.Hour) // only the next PreFilter sends it
+	fake.set(func(s *fakeServer) { s.preFilter, s.noBefore = okResponse(), noBefore })
+	holdReserves(p, window)
+	return fake, p
+}
+
+func TestReserveTravelsWithTheNextPreFilter(t *testing.T) {
+	fake, p := startHolding(t, time.Hour, false) // only the next PreFilter sends it
 	ctx := context.Background()
 	a, b := makePod("a").gpu("1").obj(), makePod("b").gpu("1").obj()
 
@@ -131,9 +139,7 @@ func TestReserveTravelsWithTheNextPreFilter(t *testing.T) {
 }
 
 func TestHeldReserveGoesAloneWhenNoPreFilterFollows(t *testing.T) {
-	fake, p := startFake(t, nil)
-	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
-	holdReserves(p, 5*time.Millisecond)
+	fake, p := startHolding(t, 5*time.Millisecond, false)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
 	state := reservedOnN1(t, p, pod)
@@ -146,9 +152,7 @@ func TestHeldReserveGoesAloneWhenNoPreFilterFollows(t *testing.T) {
 }
 
 func TestUnreserveSendsAHeldReserveFirst(t *testing.T) {
-	fake, p := startFake(t, nil)
-	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
-	holdReserves(p, time.Hour)
+	fake, p := startHolding(t, time.Hour, false)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
 	state := reservedOnN1(t, p, pod)
@@ -170,9 +174,7 @@ func TestUnreserveSendsAHeldReserveFirst(t *testing.T) {
 }
 
 func TestNoReserveIsHeldForAServerThatDoesNotHandleBefore(t *testing.T) {
-	fake, p := startFake(t, nil)
-	fake.set(func(s *fakeServer) { s.preFilter, s.noBefore = okResponse(), true })
-	holdReserves(p, time.Hour)
+	fake, p := startHolding(t, time.Hour, true)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
 	state := reservedOnN1(t, p, pod)
@@ -187,9 +189,7 @@ func TestNoReserveIsHeldForAServerThatDoesNotHandleBefore(t *testing.T) {
 }
 
 func TestClosingTheStreamFailsAHeldReserve(t *testing.T) {
-	fake, p := startFake(t, nil)
-	fake.set(func(s *fakeServer) { s.preFilter = okResponse() })
-	holdReserves(p, time.Hour)
+	fake, p := startHolding(t, time.Hour, false)
 	ctx := context.Background()
 	pod := makePod("p").gpu("1").obj()
 	state := reservedOnN1(t, p, pod)
