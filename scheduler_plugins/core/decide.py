@@ -352,7 +352,7 @@ _OK_OFFSET.setflags(write=False)
 
 
 def decide(state: ClusterState, request: PodRequest) -> Decision:
-    asking(state, request)
+    _asking(state, request)
     layout = state.layout()
     # The layout's work arrays (and its tables'), unless another decision holds them now.
     owned = layout.scratch.acquire()
@@ -1768,12 +1768,11 @@ def _shape(request: PodRequest) -> frag.Shape:
     )
 
 
-def asking(state: ClusterState, request: PodRequest) -> None:
+def _asking(state: ClusterState, request: PodRequest) -> None:
     """Count ``request`` in the workload the fragmentation policy weighs (``state.kinds``,
     each pod once): a pod of one container of devices a shared (hami-core, MPS) GPU may
-    take, whatever its own node policy. ``decide`` calls it for every pod it places; a
-    caller that learns of a pod no node has room for without deciding (the trace replay)
-    calls it itself."""
+    take, whatever its own node policy. ``decide`` calls it for every pod it is asked about,
+    those no node has room for too."""
     if len(request.containers) != 1 or not request.containers[0].count:
         return
     offered = rules.modes(request.modes)
@@ -2286,7 +2285,6 @@ __all__ = [
     "Decision",
     "PlannedDevice",
     "PodPlan",
-    "asking",
     "decide",
     "feasible_on",
     "plan_on",

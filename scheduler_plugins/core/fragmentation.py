@@ -123,8 +123,8 @@ DEFAULT_MIX: Final = TaskMix(np.zeros(1), np.zeros(1), np.ones(1), np.ones(1), n
 MIX_DRIFT: Final = 0.02
 """The mix is rebuilt only once the workload moved this far (``drift``) from the one it was
 built from. (Waiting also until it moved farther than chance, sqrt(kinds / pods) / 2, kept a
-young cluster on the mix of its first pods far too long: 0.35 % of the GPUs less on the FGD
-paper's gpushare40 trace.)"""
+young cluster on the mix of its first pods far too long: 0.34 % of the GPUs less on seeds 49
+and 50 of the FGD paper's gpushare40 trace.)"""
 
 
 def _shapes(mix: TaskMix) -> frozenset[Shape]:

@@ -495,7 +495,7 @@ class ClusterState:
         self.node_used_mem: npt.NDArray[np.float64] = _zeros(0)
         self.node_used_cores: npt.NDArray[np.float64] = _zeros(0)
         # The kinds of shared-GPU pods that asked for room: the workload the fragmentation
-        # policy weighs (``decide.asking``; pods found holding GPUs count too).
+        # policy weighs (``decide._asking``; pods found holding GPUs count too).
         self.kinds = KindCounts()
 
     # ----- change notification -----------------------------------------------------------
