@@ -385,7 +385,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
         policy = Policy.BINPACK
     preference = ranking.Preference(
         policy,
-        frag.NODE_SCORE_MAX
+        frag.node_score_max(state.kinds.fuller_ties)
         if fragmentation
         else rules.node_score_max(state.config.node_score_cpu_memory),
     )
@@ -1771,8 +1771,12 @@ def _shape(request: PodRequest) -> frag.Shape:
 def _asking(state: ClusterState, request: PodRequest) -> None:
     """Count ``request`` in the workload the fragmentation policy weighs (``state.kinds``,
     each pod once): a pod of one container of devices a shared (hami-core, MPS) GPU may
-    take, whatever its own node policy. ``decide`` calls it for every pod it is asked about,
-    those no node has room for too."""
+    take, whatever its own node policy; a pod without GPUs tells that Tessera places such
+    pods. ``decide`` calls it for every pod it is asked about, those no node has room for
+    too."""
+    if not request.wants_gpu:
+        state.kinds.host_only_asks()
+        return
     if len(request.containers) != 1 or not request.containers[0].count:
         return
     offered = rules.modes(request.modes)
@@ -1799,10 +1803,17 @@ class _Frag:
     shape: frag.Shape
     state: ClusterState
     node_idx: I64  # [S] the state's node index of each segment
+    fuller: bool  # ties to the fuller node (``fragmentation.node_score``)
 
     @staticmethod
     def of(state: ClusterState, layout: Layout, request: PodRequest) -> _Frag:
-        return _Frag(state.task_mix(), _shape(request), state, layout.node_idx)
+        return _Frag(
+            state.task_mix(),
+            _shape(request),
+            state,
+            layout.node_idx,
+            state.kinds.fuller_ties,
+        )
 
     def left(self, segments: I64) -> tuple[F64, F64]:
         """CPU and memory left on ``segments`` (``_host_left``)."""
@@ -1888,7 +1899,7 @@ def _fragmentation_scores(
         delta = np.zeros(S)
         delta[table.nodes] = d
         delta[~np.isfinite(delta)] = 0.0
-        score.fill(_NO_SHARED_SCORE)
+        score.fill(_NO_SHARED_SCORE[ctx.fuller])
         score[table.nodes] = s
         score[~feasible] = 0.0
         return score, delta
@@ -1901,13 +1912,15 @@ def _fragmentation_scores(
         delta[table.nodes] = np.minimum(delta[table.nodes], d)
     delta = np.where(np.isfinite(delta), delta, 0.0)  # a node without shared GPUs: nothing
     segs = np.flatnonzero(feasible)
-    score[segs] = frag.node_score(delta[segs], free_share[segs])
+    score[segs] = frag.node_score(delta[segs], free_share[segs], ctx.fuller)
     return score, delta
 
 
-_NO_SHARED_SCORE = float(frag.node_score(np.zeros(1), np.zeros(1))[0])
+_NO_SHARED_SCORE = {
+    fuller: float(frag.node_score(np.zeros(1), np.zeros(1), fuller)[0]) for fuller in (True, False)
+}
 """The fragmentation score of a node without shared GPUs the pod fits (delta 0, no free
-share)."""
+share), by the tie's direction."""
 
 
 class _FragRows:
@@ -2079,12 +2092,13 @@ class _FragRows:
             request.nouse_uuids,
             request.gpu_policy.mutex,
             masks.blocked,
+            ctx.fuller,
         )
         found = self._deltas.get(key)
         rows = None if found is None else self._stale(*found[:2])
         if found is None or rows is None:
             d = _row_deltas(state, table, masks, request, at, self, None)
-            score = self._scores(d, None)
+            score = self._scores(d, None, ctx.fuller)
             if len(self._deltas) >= self._MAX_KINDS:
                 self._deltas.clear()
             gens = self.row_gen.copy()
@@ -2092,21 +2106,22 @@ class _FragRows:
             _, gens, d, score = found
             if rows.size:
                 d[rows] = _row_deltas(state, table, masks, request, at, self, rows)
-                score[rows] = self._scores(d[rows], rows)
+                score[rows] = self._scores(d[rows], rows, ctx.fuller)
                 gens[rows] = self.row_gen[rows]
         self._deltas[key] = (state.usage_clock, gens, d, score)
         if tight is None or not tight.size:
             return d, score
         d, score = d.copy(), score.copy()
         d[tight] = _row_deltas(state, table, masks, request, ctx, self, tight)
-        score[tight] = self._scores(d[tight], tight)
+        score[tight] = self._scores(d[tight], tight, ctx.fuller)
         return d, score
 
-    def _scores(self, d: F64, rows: I64 | None) -> F64:
-        """``fragmentation.node_score`` of deltas ``d`` on ``rows`` (all when None): a row
-        without room scores as delta 0, as in ``_fragmentation_scores``."""
+    def _scores(self, d: F64, rows: I64 | None, fuller: bool) -> F64:
+        """``fragmentation.node_score`` of deltas ``d`` on ``rows`` (all when None), ties to
+        the ``fuller`` node or the emptier: a row without room scores as delta 0, as in
+        ``_fragmentation_scores``."""
         share = self.free_share if rows is None else self.free_share[rows]
-        return frag.node_score(np.where(np.isfinite(d), d, 0.0), share)
+        return frag.node_score(np.where(np.isfinite(d), d, 0.0), share, fuller)
 
     def _stale(self, clock: int, gens: I64) -> I64 | None:
         """The rows of kept deltas computed at usage ``clock``, row generations ``gens``, to

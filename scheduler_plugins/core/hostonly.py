@@ -80,6 +80,7 @@ def place_host_only(
     without GPUs has room: ranking them is a whole fragmentation decision."""
     if req.wants_gpu:
         raise ValueError(f"pod {req.key} asks for a GPU: decide() places it")
+    state.kinds.host_only_asks()  # the fragmentation policy's ties follow who places them
     layout = state.layout()
     bare = hostfit.place(state, req.cpu_milli, req.memory_bytes, layout.gpu_less)
     fits = np.flatnonzero(bare.fits)

@@ -59,6 +59,11 @@ def _pod(name: str, mem: int, cores: int, cpu: str) -> dict[str, Any]:
 def test_half_pods_share_a_gpu_and_a_cpu_starved_node_is_avoided(cluster: E2ECluster) -> None:
     c = cluster
     nodes = c.nodes_in_mode("hami-core")
+    # Tessera places the pods without GPUs here (the webhook's option): once one asked, of
+    # nodes a pod strands alike the policy takes the fuller (with kube-scheduler placing
+    # them, the emptier)
+    c.create(_cpu_pod("cpu-first", "100m"))
+    c.wait_bound("cpu-first")
     c.create(_pod("half-1", 20480, 50, "1"))
     first = node_of(c.wait_bound("half-1"))
     # the second half completes the first one's GPU: the policy keeps the other GPUs whole

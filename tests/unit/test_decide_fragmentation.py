@@ -29,6 +29,14 @@ def state(cfg: DeviceConfig = FRAG, **nodes: tuple[Any, ...]) -> ClusterState:
     return st
 
 
+def places_every_pod(st: ClusterState) -> ClusterState:
+    """``st`` where Tessera places the pods without GPUs too (one asked): the policy's ties
+    go to the fuller node."""
+    st.kinds.host_only_asks()
+    assert st.kinds.fuller_ties
+    return st
+
+
 def two_gpus(node: str) -> tuple[Any, ...]:
     return (gpu(f"{node}-0", index=0, mem=1000), gpu(f"{node}-1", index=1, mem=1000))
 
@@ -80,13 +88,17 @@ def count_recomputed_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return recomputed
 
 
-def test_half_pods_complete_half_used_gpus() -> None:
+@pytest.mark.parametrize(("every_pod", "nodes"), [(True, {"a"}), (False, {"a", "b"})])
+def test_half_pods_complete_half_used_gpus(every_pod: bool, nodes: set[str]) -> None:
     st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
+    if every_pod:
+        places_every_pod(st)
     placed = [place(st, request(f"p{i}", 50)) for i in range(4)]
-    # two GPUs filled completely before a third is touched: binpack at the GPU level too
+    # two GPUs filled completely before a third is touched: binpack at the GPU level too,
+    # on one node when ties go to the fuller, else spread over both
     gpus = [g for _, gs in placed for g in gs]
     assert len(set(gpus)) == 2
-    assert {n for n, _ in placed} == {"a"}
+    assert {n for n, _ in placed} == nodes
 
 
 def test_spread_gpu_policy_would_split_them() -> None:
@@ -149,16 +161,21 @@ def test_mig_pods_fall_back_to_binpack() -> None:
     assert d.best_node() is not None
 
 
-def test_kube_scheduler_gets_the_score_on_its_scale() -> None:
+@pytest.mark.parametrize("every_pod", [True, False])
+def test_kube_scheduler_gets_the_score_on_its_scale(every_pod: bool) -> None:
     st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
+    if every_pod:
+        places_every_pod(st)
     st.assume(_held("a", "a-0", 500, 50, 1000))
     d = decide(st, request("p", 50))
     assert d.preference.policy is Policy.FRAGMENTATION
     kube = d.preference.kube_scores(d.score).tolist()
-    assert kube == [int(100 * s / fr.NODE_SCORE_MAX) for s in d.score]
+    assert kube == [int(100 * s / fr.node_score_max(every_pod)) for s in d.score]
     assert all(0 <= k <= 100 for k in kube)
-    # completing a's half GPU strands less than opening one of b's
-    assert d.score[d.node_index("a")] > d.score[d.node_index("b")]
+    # completing a's half GPU strands no more than opening one of b's: the tie decides
+    assert d.delta is not None and d.delta[d.feasible].tolist() == [0.0, 0.0]
+    fuller_first = bool(d.score[d.node_index("a")] > d.score[d.node_index("b")])
+    assert fuller_first is every_pod
 
 
 def test_cpu_only_pods_are_ranked_by_what_they_strand() -> None:
@@ -212,6 +229,7 @@ def test_a_pod_found_holding_gpus_counts_as_asking_once() -> None:
 
 def test_a_pod_leaving_the_choice_to_tessera_is_offered_its_best_node_alone() -> None:
     st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000), c=(two_gpus("c"), 16000))
+    places_every_pod(st)
     st.assume(_held("b", "b-0", 500, 50, 1000))
     d = decide(st, request("p", 50))
     layout = d.layout
@@ -261,7 +279,7 @@ def test_several_devices_take_the_tightest_gpus() -> None:
 
 def test_a_nodes_new_allocatable_reaches_the_kept_rows() -> None:
     four = {n: (tuple(gpu(f"{n}-{i}", index=i, mem=1000) for i in range(4)), 16000) for n in "ab"}
-    st = state(**four)
+    st = places_every_pod(state(**four))
     st.assume(_held("a", "a-0", 1000, 100, 1000))
     st.assume(_held("a", "a-1", 1000, 100, 3000))
     assert decide(st, request("q", 100, cpu="3")).best_node() == "a"  # the fuller node
@@ -399,3 +417,22 @@ def test_distinct_rows_are_merged_only_when_equal() -> None:
     with pytest.MonkeyPatch.context() as m:  # every row projects alike: checked, not merged
         m.setattr(decide_module, "_ROW_KEY", np.zeros(64))
         assert decide_module._distinct_rows([a, b]) is None
+
+
+def test_ties_go_to_the_fuller_node_only_while_tessera_places_cpu_pods() -> None:
+    """a holds a whole GPU, b none; a whole-GPU pod fragments neither (delta 0 on both).
+    The emptier (b) first, until a pod without GPUs asks Tessera for room: then the
+    fuller (a)."""
+    from scheduler_plugins.core.hostonly import place_host_only
+
+    st = state(a=(two_gpus("a"), 16000), b=(two_gpus("b"), 16000))
+    st.assume(_held("a", "a-0", 1000, 100, 1000))
+    d = decide(st, request("p1", 100))
+    assert d.best_node() == "b"
+    assert d.delta is not None and d.delta[d.feasible].tolist() == [0.0, 0.0]
+    cpu = make_pod("cpu-y").container("c").build()
+    cpu["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1"}}
+    place_host_only(st, parse_request(cpu, FRAG), every=False)
+    assert st.kinds.fuller_ties
+    assert decide(st, request("p2", 100)).best_node() == "a"
+    assert fresh(st, request("p3", 100)).best_node() == "a"  # kept rows agree with a rebuild

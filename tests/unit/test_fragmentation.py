@@ -207,6 +207,40 @@ def test_kind_counts_follow_the_pods_that_ask() -> None:
     assert kinds.mix().share.tolist() == [0.5]  # a kind of the mix gone: at once
 
 
+@pytest.mark.parametrize(
+    ("events", "fuller"),
+    [
+        ("", False),  # no pod without GPUs asked: another scheduler places them, or none
+        ("a", True),  # Tessera places them
+        ("gag", True),
+        ("a" + "g" * 7, True),  # asked while the last window's GPU pods came
+        ("a" + "g" * 8, False),  # not any more
+        ("a" + "g" * 8 + "a", True),
+    ],
+)
+def test_ties_go_to_the_fuller_node_while_tessera_places_cpu_pods(
+    events: str, fuller: bool
+) -> None:
+    """``events``: a pod without GPUs asks (a), a GPU pod asks (g); window 8."""
+    kinds = fr.KindCounts(window=8)
+    ask = Asking(kinds)
+    for e in events:
+        if e == "a":
+            kinds.host_only_asks()
+        else:
+            ask(0, 0.5)
+    assert kinds.fuller_ties is fuller
+
+
+def test_node_score_ties_to_the_fuller_or_the_emptier_node() -> None:
+    delta = np.array([0.0, 0.0, -0.5])
+    free = np.array([0.25, 0.75, 1.0])  # the third fragments least: first either way
+    for fuller, order in ((True, [2, 0, 1]), (False, [2, 1, 0])):
+        s = fr.node_score(delta, free, fuller)
+        assert np.argsort(-s, kind="stable").tolist() == order
+        assert s.min() >= 0.0 and s.max() <= fr.node_score_max(fuller)
+
+
 def test_kind_counts_refuse_an_empty_window() -> None:
     with pytest.raises(ValueError, match="at least one"):
         fr.KindCounts(window=0)

@@ -231,20 +231,25 @@ def test_preemption_weighs_cpu_and_memory(
     assert ordinary["status"] == "Unschedulable" and ordinary["preempt"] is None
 
 
+@pytest.mark.parametrize(("cpu_pod_first", "second_on"), [(False, "g2"), (True, "g1")])
 def test_the_fragmentation_policy_says_what_the_pod_strands(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cpu_pod_first: bool, second_on: str
 ) -> None:
-    """Two half-GPU pods under the fragmentation policy: the second completes the first's GPU
-    (nothing more stranded), and the reason gives the policy's score and that change."""
+    """Two half-GPU pods under the fragmentation policy: the second strands no more on g1,
+    completing the first's GPU, than on the empty g2, and the reason gives the policy's score
+    and that change. The tie goes to the emptier node, or to the fuller once Tessera places
+    a pod without GPUs (it then places them all)."""
     half = [pod(f"half-{i}", "1", "1Gi", gpu_mem=20480) for i in range(2)]
     for p in half:
         p["metadata"]["annotations"]["hami.io/node-scheduler-policy"] = "fragmentation"
+    cpu = [fragmentation(pod("web", "1", "1Gi"), "hami-scheduler")] if cpu_pod_first else []
     nodes = [node("g1", "16", "64Gi", gpus=2), node("g2", "16", "64Gi", gpus=2)]
-    code, out, _ = run(tmp_path, capsys, nodes, half)
+    code, out, _ = run(tmp_path, capsys, nodes, [*cpu, *half])
     assert code == 0
-    assert [r["node"] for r in out] == ["g1", "g1"]
+    out = out[len(cpu) :]
+    assert [r["node"] for r in out] == ["g1", second_on]
     devices = [r["annotations"]["hami.io/vgpu-devices-allocated"].split(",")[0] for r in out]
-    assert devices[0] == devices[1]
+    assert (devices[0] == devices[1]) is (second_on == "g1")
     assert out[1]["reason"].startswith("fragmentation score ")
     assert "could not use there changes by +0.00 GPU, 2/2 nodes feasible" in out[1]["reason"]
 

@@ -68,11 +68,19 @@ def test_a_restricted_pod_fits_only_its_model(trace: tuple[tr.Cluster, list[tr.P
     assert fits.tolist() == [False, True, False]
 
 
+def every_pod_engine(cluster: tr.Cluster) -> tr.Engine:
+    """The engine placing every pod, which it knows from earlier pods without GPUs (the
+    fragmentation policy's ties then go to the fuller node)."""
+    engine = tr.Engine(cluster, DeviceConfig(default_node_policy=Policy.FRAGMENTATION), True)
+    engine.state.kinds.host_only_asks()
+    return engine
+
+
 def test_the_engine_and_the_replay_agree_on_fit(trace: tuple[tr.Cluster, list[tr.Pod]]) -> None:
     """Tessera's engine never picks a node the replay's accounting refuses, and finds one
     whenever the accounting does (else ``Engine.place`` raises)."""
     cluster, pods = trace
-    engine = tr.Engine(cluster, DeviceConfig(default_node_policy=Policy.FRAGMENTATION), True)
+    engine = every_pod_engine(cluster)
     nodes = tr.Nodes(cluster)
     for pod in pods:
         cand = np.flatnonzero(nodes.fits(pod))
@@ -90,7 +98,7 @@ def test_every_arriving_pod_is_put_to_the_policy_dropped_ones_too(
     """The live scheduler is asked about pods no node has room for: the replay asks the
     policy about every pod, and the engine counts those it cannot place in the workload."""
     cluster, pods = trace
-    engine = tr.Engine(cluster, DeviceConfig(default_node_policy=Policy.FRAGMENTATION), True)
+    engine = every_pod_engine(cluster)
     asked: list[int] = []
 
     def place(nodes: tr.Nodes, cand: np.ndarray, pod: tr.Pod) -> tr.Choice | None:
