@@ -436,3 +436,33 @@ def test_ties_go_to_the_fuller_node_only_while_tessera_places_cpu_pods() -> None
     assert st.kinds.fuller_ties
     assert decide(st, request("p2", 100)).best_node() == "a"
     assert fresh(st, request("p3", 100)).best_node() == "a"  # kept rows agree with a rebuild
+
+
+def test_kept_rows_follow_the_tie_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows kept between decisions score each kind of request for one tie direction:
+    when a pod without GPUs asks (ties to the fuller) and once the window's GPU pods came
+    without one (to the emptier again), their scores are a fresh computation's (a new mix
+    reaches every kept row at once here, as in the test above)."""
+    monkeypatch.setattr(_FragRows, "ROLL_DECISIONS", 1)
+    rng = np.random.default_rng(11)
+    st = state(**{f"n{i}": (three_gpus(f"n{i}"), 32000) for i in range(8)})
+    st.kinds = fr.KindCounts(window=6)
+    seen = []
+    for i in range(40):
+        if i in (5, 6, 25):
+            cpu = make_pod(f"cpu{i}").container("c").build()
+            cpu["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1"}}
+            decide(st, parse_request(cpu, FRAG))
+        req = request(f"p{i}", int(rng.choice([25, 50, 100])))
+        d = decide(st, req)
+        seen.append(st.kinds.fuller_ties)
+        assert d.score.tolist() == pytest.approx(fresh(st, req).score.tolist())
+        node = d.best_node()
+        if node is not None:
+            plan = d.plan_for(node)
+            assert plan is not None
+            st.assume(plan.allocation(req.cpu_milli, req.memory_bytes, uid=req.key))
+    # emptier; fuller from the first pod without GPUs; emptier once 6 GPU pods counted
+    # since the last (its own GPU pod the first of them)
+    assert seen[:5] == [False] * 5 and seen[5:11] == [True] * 6 and not seen[11]
+    assert not any(seen[11:25]) and seen[25:30] == [True] * 5 and not any(seen[30:])
