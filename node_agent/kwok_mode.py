@@ -67,7 +67,13 @@ log = structlog.get_logger(__name__)
 
 KWOK_NODE_ANNOTATION: Final = "kwok.x-k8s.io/node"
 MAX_CONTAINERS: Final = 256
-DEFAULT_WORKERS: Final = 16
+DEFAULT_WORKERS: Final = 64
+"""Threads allocating for the fake nodes (each node's work stays serial). A real node's agent
+patches its own pods beside every other node's; one process standing in for all of them
+keeps that many patches in flight. Measured in 1000-node default-mix queue drains
+(``tessera bench``, alternating): 16 threads drained 127.6 and 147.8 pods/s, 64 drained
+157.7 and 166.1, binding to allocation p50 8.8 s -> 6.5 s; 128 and 256 no better (166.5,
+147.3): the process's own CPU share is the limit then."""
 _NODE_FIELD: Final = "spec.nodeName="
 _RECONCILE: Final = ""  # queue item: reconcile the node (no pod)
 _START: Final = "start"  # queue item: start the node's agent (no pod key lacks a "/")
