@@ -289,11 +289,16 @@ class Simulation:
             gpu_scores = ", ".join(f"{d.gpu_score:.2f}" for c in plan.containers for d in c)
             kube = int(decision.preference.kube_scores(decision.score[i : i + 1])[0])
             if decision.delta is not None:
+                tie = (
+                    "the fuller (Tessera places the pods without GPUs)"
+                    if state.kinds.fuller_ties
+                    else "the emptier (the pods without GPUs are kube-scheduler's)"
+                )
                 reason = (
                     f"fragmentation score {decision.score[i]:.2f} ({kube}/100 to "
                     f"kube-scheduler): the GPU capacity the workload could not use there "
                     f"changes by {float(decision.delta[i]):+.2f} GPU, "
-                    f"{feasible}/{total} nodes feasible"
+                    f"{feasible}/{total} nodes feasible; of nodes alike, {tie}"
                 )
             else:
                 reason = (

@@ -252,6 +252,8 @@ def test_the_fragmentation_policy_says_what_the_pod_strands(
     assert (devices[0] == devices[1]) is (second_on == "g1")
     assert out[1]["reason"].startswith("fragmentation score ")
     assert "could not use there changes by +0.00 GPU, 2/2 nodes feasible" in out[1]["reason"]
+    tie = "the fuller (Tessera places" if cpu_pod_first else "the emptier (the pods without"
+    assert f"of nodes alike, {tie}" in out[1]["reason"]
 
 
 def fragmentation(obj: dict[str, Any], scheduler: str | None) -> dict[str, Any]:
