@@ -383,9 +383,10 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
     policy = request.node_policy
     if policy is Policy.FRAGMENTATION and not fragmentation:
         policy = Policy.BINPACK
+    fuller = state.kinds.fuller_ties
     preference = ranking.Preference(
         policy,
-        frag.node_score_max(state.kinds.fuller_ties)
+        frag.node_score_max(fuller)
         if fragmentation
         else rules.node_score_max(state.config.node_score_cpu_memory),
     )
@@ -418,7 +419,7 @@ def _decide(state: ClusterState, request: PodRequest, layout: Layout, owned: boo
             host = (feasible, bits)
             feasible = feasible & (bits == 0)
         if fragmentation and layout.n_rows:
-            ctx = _Frag.of(state, layout, request)
+            ctx = _Frag.of(state, layout, request, fuller)
             if not request.gpu_policy_named:  # its devices by the rule too
                 masks = replace(masks, frag=ctx)
             score, delta = _fragmentation_scores(
@@ -1806,14 +1807,8 @@ class _Frag:
     fuller: bool  # ties to the fuller node (``fragmentation.node_score``)
 
     @staticmethod
-    def of(state: ClusterState, layout: Layout, request: PodRequest) -> _Frag:
-        return _Frag(
-            state.task_mix(),
-            _shape(request),
-            state,
-            layout.node_idx,
-            state.kinds.fuller_ties,
-        )
+    def of(state: ClusterState, layout: Layout, request: PodRequest, fuller: bool) -> _Frag:
+        return _Frag(state.task_mix(), _shape(request), state, layout.node_idx, fuller)
 
     def left(self, segments: I64) -> tuple[F64, F64]:
         """CPU and memory left on ``segments`` (``_host_left``)."""

@@ -80,7 +80,6 @@ def place_host_only(
     without GPUs has room: ranking them is a whole fragmentation decision."""
     if req.wants_gpu:
         raise ValueError(f"pod {req.key} asks for a GPU: decide() places it")
-    state.kinds.host_only_asks()  # the fragmentation policy's ties follow who places them
     layout = state.layout()
     bare = hostfit.place(state, req.cpu_milli, req.memory_bytes, layout.gpu_less)
     fits = np.flatnonzero(bare.fits)
@@ -93,6 +92,9 @@ def place_host_only(
     )
     scores = (ranking.MAX_SCORE,) * len(names)
     if bare_names and not every:
+        # asked without a decision: count it as ``decide`` would (the policy's ties follow
+        # who places the pods without GPUs)
+        state.kinds.host_only_asks()
         on_gpu_nodes = hostfit.place(state, req.cpu_milli, req.memory_bytes, layout.names)
         fitting = len(names) + int(np.count_nonzero(on_gpu_nodes.fits))
         return HostOnlyPlacement(names, scores, fitting, len(names), None, bare)

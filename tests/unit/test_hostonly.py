@@ -141,3 +141,13 @@ def test_only_the_best_wanted_skips_ranking_gpu_nodes_while_a_bare_node_has_room
     hold(st, "cpu", 16000, "x/busy")  # no room off the GPU nodes: they are ranked after all
     ranked = place_host_only(st, cpu_pod("p", "1"), every=False)
     assert ranked.decision is not None and set(ranked.names) == {"a", "b"}
+
+
+@pytest.mark.parametrize("every", [True, False])
+def test_a_pod_without_a_gpu_that_asks_turns_the_ties_to_the_fuller_node(every: bool) -> None:
+    """Whether or not it needs a whole decision (a node without GPUs has room: the best alone
+    is not one), the pod tells the fragmentation policy that Tessera places such pods."""
+    st = cluster(c1=(0, 8000), g1=(2, 8000))
+    assert not st.kinds.fuller_ties
+    assert place_host_only(st, cpu_pod("web", "1"), every=every).best() == "c1"
+    assert st.kinds.fuller_ties
