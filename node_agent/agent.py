@@ -153,7 +153,7 @@ class NodeAgent:
             inventory = SlotInventory(registrar.devices())
             identities = (
                 IdentityFixer(self.node_name, self._kube, self._pod_resources, self.resource_name)
-                if self._pod_resources is not None and self.mode != "mig"
+                if self._pod_resources is not None
                 else None
             )
             self.identities = identities

@@ -34,7 +34,8 @@ import re
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Protocol
+from dataclasses import replace
+from typing import Any, Final, NamedTuple, Protocol
 
 import structlog
 
@@ -86,6 +87,14 @@ class PodApi(Protocol):
     def merge_patch(
         self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
     ) -> Any: ...
+
+
+class _Given(NamedTuple):
+    """What one container was given: the kubelet's answer, and the MIG instances realized
+    for it (their reservations with the runtime identities; none for shared devices)."""
+
+    allocation: ContainerAllocation
+    mig: tuple[MigAllocation, ...] = ()
 
 
 class AllocationRefusedError(InvalidInputError):
@@ -148,10 +157,13 @@ class Allocator:
                     container=match.container_index,
                     ids=list(ids),
                 )
-            out.append(self._allocate_guarded(match.pod, match.container_index, pods))
+            given = self._allocate_guarded(match.pod, match.container_index, pods)
+            out.append(given.allocation)
             if self._identities is not None:
                 siblings = (match.key, *match.siblings) if match.siblings else ()
-                self._identities.handed(ids, [d.uuid for d in match.devices], siblings)
+                self._identities.handed(
+                    ids, [d.uuid for d in match.devices], siblings, mig=given.mig
+                )
         return out
 
     def preferred(
@@ -189,7 +201,7 @@ class Allocator:
         nxt = next_container(annotations_of(pod), obj=f"{namespace}/{name}")
         if nxt is None:
             return None
-        return self._allocate_guarded(pod, nxt[0], pods)
+        return self._allocate_guarded(pod, nxt[0], pods).allocation
 
     @staticmethod
     def device_ids(entry: ContainerDevices) -> list[str]:
@@ -209,7 +221,7 @@ class Allocator:
 
     def _allocate_guarded(
         self, pod: Mapping[str, Any], ci: int, pods: Sequence[Mapping[str, Any]]
-    ) -> ContainerAllocation:
+    ) -> _Given:
         key = pod_key(pod)
         try:
             return self._allocate(pod, ci, pods)
@@ -222,7 +234,7 @@ class Allocator:
 
     def _allocate(
         self, pod: Mapping[str, Any], ci: int, pods: Sequence[Mapping[str, Any]]
-    ) -> ContainerAllocation:
+    ) -> _Given:
         key = pod_key(pod)
         ann = annotations_of(pod)
         pending = to_allocate(ann, obj=f"pod {key}")
@@ -253,7 +265,7 @@ class Allocator:
 
         self._patch(pod, build)
         log.info("allocate.done", pod=key, node=self.node_name, container=ci, mode=mode)
-        return allocation
+        return _Given(allocation)
 
     def _allocate_mig(
         self,
@@ -262,7 +274,7 @@ class Allocator:
         entry: ContainerDevices,
         reservations: tuple[MigAllocation, ...],
         pods: Sequence[Mapping[str, Any]],
-    ) -> ContainerAllocation:
+    ) -> _Given:
         key = pod_key(pod)
         if self._mig is None:
             raise AllocationRefusedError(f"pod {key}: this agent has no MIG manager")
@@ -294,8 +306,11 @@ class Allocator:
             mode="mig",
             mig=[i.mig_uuid for i in identities],
         )
-        return ContainerAllocation(
-            envs={"NVIDIA_VISIBLE_DEVICES": ",".join(i.mig_uuid for i in identities)}
+        return _Given(
+            ContainerAllocation(
+                envs={"NVIDIA_VISIBLE_DEVICES": ",".join(i.mig_uuid for i in identities)}
+            ),
+            tuple(replace(r, runtime=i) for r, i in zip(reservations, identities, strict=True)),
         )
 
     # Checks on annotations this agent did not write ----------------------------------------

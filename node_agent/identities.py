@@ -22,14 +22,23 @@ already shows, compares the GPUs its container holds with the recorded ones:
   records now), each records its real GPUs only. Each write is a merge patch under the
   pod's resourceVersion (a conflict: the next check starts over).
 
+A MIG container (interchangeable MIG pods ask one profile per device) is handed the
+instance reserved for the pod chosen; its record (``hami.io/vgpu-mig-allocations``: GPU,
+placement, runtime identity) is corrected with its devices in the same two rounds, the
+first writing the old instances and then the real ones (the scheduler sees an overlap and
+places nothing new on those GPUs until the second). The MIG manager hands an instance to
+the pod whose record names its runtime identity (``MigManager.reconcile``), so neither
+round destroys what a container runs on.
+
 A pod the kubelet does not show yet stays pending (checked again at the next ``check``); a
 pod gone from the node is dropped. ``corrections`` is the pure rule.
 
 What is left: the hand-out record is kept in memory, so an agent restarted between a
 hand-out and its check falls back to the GPUs named by the kubelet's ids (right whenever the
-kubelet took GetPreferredAllocation's ids, as it does when they are free), and only for pods
-whose record shows the first round's double entry (an interrupted correction); a swap not
-yet checked when the agent restarts stays as recorded.
+kubelet took GetPreferredAllocation's ids, as it does when they are free; for a MIG
+container, the second half of its double record), and only for pods whose record shows the
+first round's double entry (an interrupted correction); a swap not yet checked when the
+agent restarts stays as recorded.
 """
 
 from __future__ import annotations
@@ -37,15 +46,23 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import grpc
 import structlog
 
 from api.errors import InvalidAnnotationError, TemporaryError, TesseraError
-from api.hami.devices import ContainerDevices, DeviceAlloc, decode_devices, encode_devices
-from api.hami.keys import DEVICES_ALLOCATED
+from api.hami.devices import (
+    ContainerDevices,
+    DeviceAlloc,
+    MigAllocation,
+    decode_devices,
+    decode_mig_allocations,
+    encode_devices,
+    encode_mig_allocations,
+)
+from api.hami.keys import DEVICES_ALLOCATED, MIG_ALLOCATIONS
 from api.kube.errors import ConflictError, KubeError, NotFoundError
 from api.kube.objects import all_containers, annotations_of, as_object, finished, pod_key
 from api.podresources.v1 import api_pb2
@@ -110,21 +127,48 @@ class KubeletPodResources:
 
 @dataclass(frozen=True)
 class Correction:
-    """Pod ``pod``'s recorded devices of container ``container``: ``before`` -> ``after``."""
+    """Pod ``pod``'s recorded devices of container ``container``: ``before`` -> ``after``;
+    for a MIG container also its instances (``mig_before`` -> ``mig_after``: its entries of
+    ``hami.io/vgpu-mig-allocations``, device indexes from 0)."""
 
     pod: Mapping[str, Any]
     key: str
     container: int
     before: ContainerDevices
     after: ContainerDevices
+    mig_before: tuple[MigAllocation, ...] = ()
+    mig_after: tuple[MigAllocation, ...] = ()
 
     @property
     def both(self) -> ContainerDevices:
         """Old and real devices together (the first round: nothing counted below its use);
         the record as it is when it holds the real ones already."""
+        if self.mig_after:
+            return self.before if self._mig_doubled else (*self.shape, *self.after)
         if Counter(d.uuid for d in self.after) <= Counter(d.uuid for d in self.before):
             return self.before
         return (*self.before, *self.after)
+
+    @property
+    def mig_both(self) -> tuple[MigAllocation, ...]:
+        """Old and real MIG instances together (each device of the real ones after the old
+        ones), as ``both``."""
+        if not self.mig_after or self._mig_doubled:
+            return self.mig_before
+        n = len(self.after)
+        return (*self.mig_before[:n], *_numbered(self.mig_after, self.container, n))
+
+    @property
+    def shape(self) -> ContainerDevices:
+        """The recorded entry as the container asks it (a first round's double cut off)."""
+        return self.before[: len(self.after)]
+
+    @property
+    def _mig_doubled(self) -> bool:
+        n = len(self.mig_after)
+        return len(self.mig_before) == 2 * n and _same_instances(
+            self.mig_before[n:], self.mig_after
+        )
 
 
 def gpu_container(annotations: Mapping[str, str], *, obj: str = "") -> int | None:
@@ -139,12 +183,16 @@ def corrections(
     pending: Iterable[str],
     real: Callable[[tuple[str, ...]], tuple[str, ...] | None],
     held: Held,
+    real_mig: Callable[[tuple[str, ...]], tuple[MigAllocation, ...] | None] = lambda ids: None,
 ) -> tuple[list[Correction], set[str]]:
     """What to rewrite for the ``pending`` pods, and those settled (right, corrected or gone).
 
-    ``real``: the GPUs (in entry order) a request's ids were really given (None: unknown).
-    A pod whose recorded entry holds more devices than the kubelet's ids (a first round not
-    followed by its second) is corrected to its real GPUs too."""
+    ``real``: the GPUs (in entry order) a request's ids were really given (None: unknown);
+    ``real_mig``: the MIG instances they were given (None: unknown or none). A pod whose
+    recorded entry holds more devices than the kubelet's ids (a first round not followed by
+    its second) is corrected to its real GPUs too; for a MIG container whose hand-out is not
+    known (an agent restarted since), those are the second half of that double record,
+    which holds the real instances after the old ones."""
     pending = set(pending)
     out: list[Correction] = []
     settled: set[str] = set()
@@ -173,8 +221,21 @@ def corrections(
         ids = held.get((key, str(containers[ci].get("name", ""))))
         if ids is None:
             continue  # the kubelet has not recorded it (yet): look again
-        gpus = real(ids)
         entry = recorded[ci]
+        try:
+            mig = _container_mig(ann, ci, obj=f"pod {key}")
+        except InvalidAnnotationError as e:
+            log.warning("identity.unreadable", pod=key, error=str(e))
+            settled.add(key)
+            continue
+        if mig:
+            fix = _mig_correction(pod, key, ci, entry, mig, len(ids), real_mig(ids))
+            if fix is None:
+                settled.add(key)
+            else:
+                out.append(fix)
+            continue
+        gpus = real(ids)
         shape = entry[: len(ids)]
         if gpus is None or len(gpus) != len(shape):
             settled.add(key)
@@ -188,6 +249,64 @@ def corrections(
         out.append(Correction(pod, key, ci, entry, after))
     settled |= {k for k in pending if k not in alive}
     return out, settled
+
+
+def _container_mig(ann: Mapping[str, str], ci: int, *, obj: str) -> tuple[MigAllocation, ...]:
+    """Container ``ci``'s MIG entries, by device index."""
+    value = ann.get(MIG_ALLOCATIONS)
+    if not value:
+        return ()
+    allocs = decode_mig_allocations(value, obj=obj)
+    return tuple(
+        sorted((a for a in allocs if a.container_index == ci), key=lambda a: a.device_index)
+    )
+
+
+def _mig_correction(
+    pod: Mapping[str, Any],
+    key: str,
+    ci: int,
+    entry: ContainerDevices,
+    mig: tuple[MigAllocation, ...],
+    n: int,
+    handed: tuple[MigAllocation, ...] | None,
+) -> Correction | None:
+    """The correction of a MIG container whose kubelet ids are ``n`` devices, given the
+    instances those ids were handed (None: unknown); None when it records them already (or
+    what it holds cannot be told)."""
+    if handed is None or len(handed) != n:
+        if len(mig) != 2 * n or len(entry) != 2 * n:
+            return None  # not a first round's double: nothing known to fix
+        handed = mig[n:]  # the real instances, after the old ones
+    if len(mig) == n and _same_instances(mig, handed):
+        return None
+    if len(entry) < n or any(a.runtime is None for a in handed):
+        return None
+    shape = entry[:n]
+    after = tuple(
+        DeviceAlloc(a.gpu_uuid, d.mem, d.cores, d.vendor)
+        for a, d in zip(handed, shape, strict=True)
+    )
+    return Correction(pod, key, ci, entry, after, mig, _numbered(handed, ci, 0))
+
+
+def _same_instances(a: Sequence[MigAllocation], b: Sequence[MigAllocation]) -> bool:
+    """The same MIG instances, device for device (their runtime identities)."""
+    return len(a) == len(b) and all(
+        x.runtime is not None and x.runtime == y.runtime for x, y in zip(a, b, strict=True)
+    )
+
+
+def _numbered(allocs: Sequence[MigAllocation], ci: int, first: int) -> tuple[MigAllocation, ...]:
+    return tuple(
+        replace(a, container_index=ci, device_index=first + k) for k, a in enumerate(allocs)
+    )
+
+
+@dataclass(frozen=True)
+class _Handout:
+    gpus: tuple[str, ...]
+    mig: tuple[MigAllocation, ...]
 
 
 class IdentityFixer:
@@ -206,16 +325,24 @@ class IdentityFixer:
         self._resource = resource_name
         self._lock = threading.Lock()
         self._pending: set[str] = set()
-        self._handed: dict[frozenset[str], tuple[str, ...]] = {}
+        self._handed: dict[frozenset[str], _Handout] = {}
         self.wake = threading.Event()
         self.corrected = 0
 
-    def handed(self, ids: Sequence[str], gpus: Sequence[str], pods: Iterable[str] = ()) -> None:
-        """An Allocate gave the request ``ids`` the entry on ``gpus``; ``pods``: the
-        interchangeable pods it was chosen among (now pending), none when it named its pod."""
+    def handed(
+        self,
+        ids: Sequence[str],
+        gpus: Sequence[str],
+        pods: Iterable[str] = (),
+        *,
+        mig: Sequence[MigAllocation] = (),
+    ) -> None:
+        """An Allocate gave the request ``ids`` the entry on ``gpus`` (and the MIG instances
+        ``mig``, with their runtime identities); ``pods``: the interchangeable pods it was
+        chosen among (now pending), none when it named its pod."""
         pods = tuple(pods)
         with self._lock:
-            self._handed[frozenset(ids)] = tuple(gpus)
+            self._handed[frozenset(ids)] = _Handout(tuple(gpus), tuple(mig))
             while len(self._handed) > MAX_HANDED:
                 del self._handed[next(iter(self._handed))]
             self._pending.update(pods)
@@ -259,25 +386,33 @@ class IdentityFixer:
         def given(ids: tuple[str, ...]) -> tuple[str, ...] | None:
             known = handed.get(frozenset(ids))
             if known is not None:
-                return known
+                return known.gpus
             try:
                 return tuple(gpu_of(i)[0] for i in ids)
             except TesseraError:
                 return None
 
+        def given_mig(ids: tuple[str, ...]) -> tuple[MigAllocation, ...] | None:
+            known = handed.get(frozenset(ids))
+            return known.mig if known is not None and known.mig else None
+
         held = self._lister.list(self._resource)
         answer = self._kube.list("/api/v1/pods", field_selector=f"spec.nodeName={self.node_name}")
         pods = list(answer.get("items") or [])
-        fixes, settled = corrections(pods, keys, given, held)
+        fixes, settled = corrections(pods, keys, given, held, given_mig)
         done: set[str] = set(settled)
         # Round one: every wrong pod counts its old and its real GPUs. Round two (the real
         # ones alone) only once round one holds for all of them and the kubelet lists every
         # pending pod: an unlisted one may not hold yet what it will get, the GPUs a wrong
         # pod records now, so they must stay counted until it is listed.
         unlisted = keys - settled - {f.key for f in fixes}
-        ready = all(f.both == f.before or self._write(f, f.both, f.pod) for f in fixes)
+        ready = all(
+            (f.both == f.before and f.mig_both == f.mig_before)
+            or self._write(f, f.both, f.mig_both, f.pod)
+            for f in fixes
+        )
         for f in fixes if ready and not unlisted else ():
-            if self._write(f, f.after, None):
+            if self._write(f, f.after, f.mig_after, None):
                 done.add(f.key)
                 self.corrected += 1
                 log.info(
@@ -287,29 +422,49 @@ class IdentityFixer:
                     container=f.container,
                     recorded=[d.uuid for d in f.before],
                     holds=[d.uuid for d in f.after],
+                    mig=[a.runtime.mig_uuid for a in f.mig_after if a.runtime is not None],
                 )
         with self._lock:
             self._pending -= done
             return not self._pending
 
     def _write(
-        self, fix: Correction, entry: ContainerDevices, pod: Mapping[str, Any] | None
+        self,
+        fix: Correction,
+        entry: ContainerDevices,
+        mig: tuple[MigAllocation, ...],
+        pod: Mapping[str, Any] | None,
     ) -> bool:
+        """Record ``entry`` (and MIG instances ``mig``) for the fix's container, when the pod
+        still records what the fix expects: its first read (``pod``) or the first round."""
         path = f"/api/v1/namespaces/{fix.key.replace('/', '/pods/', 1)}"
+        obj = f"pod {fix.key}"
         try:
             current = pod if pod is not None else self._kube.get(path)
             meta = as_object(current.get("metadata"))
             ann = annotations_of(current)
-            recorded = list(decode_devices(ann.get(DEVICES_ALLOCATED, ""), obj=f"pod {fix.key}"))
+            recorded = list(decode_devices(ann.get(DEVICES_ALLOCATED, ""), obj=obj))
             if fix.container >= len(recorded):
                 return False
-            expected = fix.before if pod is not None else fix.both
-            if recorded[fix.container] != expected:
+            first = pod is not None
+            expected = fix.before if first else fix.both
+            expected_mig = fix.mig_before if first else fix.mig_both
+            if recorded[fix.container] != expected or (
+                fix.mig_after and _container_mig(ann, fix.container, obj=obj) != expected_mig
+            ):
                 return False  # changed since it was read: the next check starts over
             recorded[fix.container] = entry
+            patch = {DEVICES_ALLOCATED: encode_devices(tuple(recorded))}
+            if fix.mig_after:
+                others = [
+                    a
+                    for a in decode_mig_allocations(ann.get(MIG_ALLOCATIONS, ""), obj=obj)
+                    if a.container_index != fix.container
+                ]
+                patch[MIG_ALLOCATIONS] = encode_mig_allocations([*others, *mig])
             self._kube.merge_patch(
                 path,
-                {"metadata": {"annotations": {DEVICES_ALLOCATED: encode_devices(tuple(recorded))}}},
+                {"metadata": {"annotations": patch}},
                 resource_version=meta.get("resourceVersion"),
             )
             return True

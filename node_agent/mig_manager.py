@@ -27,8 +27,11 @@ Design
   failure, only what this attempt created is destroyed (CI, then GI); adopted and earlier
   instances stay.
 - ``reconcile``: destroy (CI, then GI) managed instances whose key is not desired by their
-  owner; adopt unmanaged instances that match a desired reservation's complete runtime
-  identity. ``InUse`` (processes still running) is reported and retried on the next pass.
+  owner, unless another desired reservation at that key records the instance's exact
+  runtime identity: only the agent writes one, so that pod holds it (the record moved there
+  from an interchangeable pod, ``node_agent.identities``) and ownership moves instead; adopt
+  unmanaged instances that match a desired reservation's complete runtime identity.
+  ``InUse`` (processes still running) is reported and retried on the next pass.
 - ``adopt_on_start`` (restart adoption): GPUs busy by reservations, NVML processes, the
   desired set's ``held_gpus`` or the caller's ``busy_gpus`` are kept; idle MIG GPUs are
   cleaned to a MIG-ready state (all their CIs and GIs destroyed); each reservation with a
@@ -482,13 +485,13 @@ class MigManager:
         except NvmlError as e:
             log.warning("mig.reconcile_skipped", node=self._node, reason=str(e))
             return ReconcileReport(skipped=True, reason=f"cannot list GPUs: {e}")
-        wanted: dict[InstanceKey, set[Owner]] = {}
+        wanted: dict[InstanceKey, dict[Owner, RuntimeIdentity | None]] = {}
         by_gpu: dict[int, list[tuple[InstanceKey, Reservation]]] = {}
         for r in desired.reservations:
             key = self._key_of(r, indexes)
             if key is None:
                 continue
-            wanted.setdefault(key, set()).add(r.owner)
+            wanted.setdefault(key, {})[r.owner] = r.allocation.runtime
             by_gpu.setdefault(key.gpu_index, []).append((key, r))
         with self._state_lock:
             gpus = sorted({k.gpu_index for k in self._instances} | set(by_gpu))
@@ -496,7 +499,13 @@ class MigManager:
         for idx in gpus:
             with self._gpu_locks_held({idx}):
                 for m in self._managed_on(idx):
-                    if m.owner not in wanted.get(m.key, set()):
+                    claims = wanted.get(m.key, {})
+                    if m.owner in claims:
+                        continue
+                    heir = min((o for o, rt in claims.items() if rt == m.identity), default=None)
+                    if heir is not None:
+                        self._move(m, heir)
+                    else:
                         self._destroy_managed(m, tally)
                 self._adopt_recorded(idx, by_gpu.get(idx, []), tally)
         return ReconcileReport(
@@ -506,6 +515,22 @@ class MigManager:
             failed=tuple(tally.failed),
             vanished=tuple(tally.vanished),
             mismatched=tuple(tally.mismatched),
+        )
+
+    def _move(self, m: ManagedInstance, owner: Owner) -> None:
+        """``m`` now belongs to ``owner``, whose reservation records exactly ``m``'s runtime
+        identity: the node agent moved the record there (interchangeable pods, where the
+        kubelet gave the instance to the other pod; ``node_agent.identities``). Only the
+        agent writes a runtime identity, so a record naming it is the instance's holder, and
+        destroying it would take it from under a running container."""
+        self._record(ManagedInstance(m.key, owner, m.identity, adopted=m.adopted))
+        log.info(
+            "mig.owner_moved",
+            node=self._node,
+            gpu=self._uuid_of(m.key.gpu_index),
+            instance=str(m.key),
+            before=m.owner.pod,
+            after=owner.pod,
         )
 
     def _destroy_managed(self, m: ManagedInstance, tally: _Tally) -> None:

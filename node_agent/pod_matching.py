@@ -16,7 +16,8 @@ matching on them would add no certainty. Applied here:
 
 - Exactly one match: that pod. Several that are all interchangeable (the contract's rule 4:
   one GPU container each, entries equal but for their GPUs, same selectors, resources and
-  HAMi-core switch): the one whose GPUs the request's ids name (else the first), its
+  HAMi-core switch; for MIG, one profile per device and nothing realized yet): the one
+  whose GPUs the request's ids name (else the first), its
   ``siblings`` naming the others, for the correction from the kubelet's PodResources
   (``node_agent.identities``). Otherwise several, or a candidate whose annotations cannot
   be read (it might be the one): the request is ambiguous and Allocate fails with

@@ -15,13 +15,16 @@ keeps two pods it could not tell apart from allocating on one node at the same t
    devices; candidates are taken in kubelet admission order (``hami.io/bind-time``, then
    creation time).
 4. Several matches are *interchangeable* when they share one ``interchange_key``: each has a
-   single GPU container (hami-core or MPS, no MIG reservation) whose entry differs from the
-   others' only in its GPU UUIDs, and the same GPU selectors and container resources and
-   HAMi-core switches. Any of them may be handed the request: whichever pod the kubelet is
-   admitting gets limits and settings equal to its own, and the per-GPU sums the scheduler
-   counts do not change. The node agent hands out the one whose GPUs the request's ids name
-   and later corrects the recorded GPUs from the kubelet's PodResources (which pod holds
-   which ids); the scheduler lets such pods allocate on one node at once.
+   single GPU container whose entry differs from the others' only in its GPU UUIDs, and the
+   same GPU selectors and container resources and HAMi-core switches; a MIG container's
+   reservation (``hami.io/vgpu-mig-allocations``, nothing realized yet) differs only in its
+   GPUs and placements, the same profile for each device. Any of them may be handed the
+   request: whichever pod the kubelet is admitting gets limits and settings (or a MIG
+   instance of the profile) equal to its own, and the per-GPU sums and the set of reserved
+   placements the scheduler counts do not change. The node agent hands out the one whose
+   GPUs the request's ids name and later corrects the recorded GPUs (and MIG instances)
+   from the kubelet's PodResources (which pod holds which ids); the scheduler lets such
+   pods allocate on one node at once.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from typing import Any
 from api.errors import InvalidAnnotationError
 from api.hami.devices import (
     ContainerDevices,
+    MigAllocation,
     PodDevices,
     decode_bind_time,
     decode_devices,
+    decode_mig_allocations,
 )
 from api.hami.keys import (
     BIND_PHASE,
@@ -173,20 +178,23 @@ def interchange_key(
     for interchangeable pods; None when the pod may not be swapped with any.
 
     ``bind_annotations`` (the scheduler's, before they are on the pod) override the pod's.
-    None unless the pod has exactly one GPU container, not yet allocated, without MIG
-    reservation, and everything read parses."""
+    None unless the pod has exactly one GPU container, not yet allocated, whose MIG
+    reservation (if any) covers its devices and holds no instance yet, and everything read
+    parses."""
     ann = {**annotations_of(pod), **(bind_annotations or {})}
-    if ann.get(MIG_ALLOCATIONS):
-        return None
     try:
         held = decode_devices(ann.get(DEVICES_ALLOCATED, ""))
         pending = to_allocate(ann)
+        mig = decode_mig_allocations(ann[MIG_ALLOCATIONS]) if ann.get(MIG_ALLOCATIONS) else ()
     except InvalidAnnotationError:
         return None
     gpu = [i for i, c in enumerate(held) if c]
     if len(gpu) != 1 or len(pending) != len(held) or pending[gpu[0]] != held[gpu[0]]:
         return None
     ci = gpu[0]
+    profiles = _mig_profiles(mig, ci, len(held[ci]))
+    if mig and profiles is None:
+        return None
     containers = all_containers(pod)
     if ci >= len(containers):
         return None
@@ -203,12 +211,27 @@ def interchange_key(
         "selectors": [ann.get(k) for k in _SELECTORS],
         "resources": _device_resources(container),
         "control": control,
+        "mig": profiles,
     }
     try:
         text = json.dumps(shape, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):
         return None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _mig_profiles(mig: tuple[MigAllocation, ...], ci: int, devices: int) -> list[str] | None:
+    """The profile of each device of container ``ci`` when ``mig`` reserves exactly its
+    ``devices`` devices and none is realized yet; else None (a pod halfway through its
+    allocation, or a reservation the entry does not match, is nobody's twin)."""
+    mine = sorted((a for a in mig if a.container_index == ci), key=lambda a: a.device_index)
+    if (
+        len(mine) != len(mig)
+        or [a.device_index for a in mine] != list(range(devices))
+        or any(a.runtime is not None for a in mine)
+    ):
+        return None
+    return [a.profile for a in mine]
 
 
 def asking(

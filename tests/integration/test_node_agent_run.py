@@ -428,6 +428,76 @@ def test_interchangeable_pods_allocate_at_once_and_their_gpus_follow_the_kubelet
             podres.stop()
 
 
+def test_mig_replicas_allocate_at_once_and_their_instances_follow_the_kubelets_record(
+    api: KubeClient, mig_node: str, plugin_dir: Path, kubelet: FakeKubelet
+) -> None:
+    """Two MIG pods of one profile on one node, allocating together: the kubelet admits the
+    second first and Allocate creates the first's reserved instance for it. Once the
+    kubelet's PodResources shows who holds which ids, each pod records the instance it runs
+    on, the reconcile loop moves the instances' ownership instead of destroying them, and
+    when a pod ends the instance it really held goes."""
+    specs = [SimulatedGpuSpec(A100), SimulatedGpuSpec(A100)]
+    backend = SimulatedNvml(specs, None, node_name=mig_node)
+    with tempfile.TemporaryDirectory(prefix="podres-") as d:
+        podres = FakePodResources(Path(d) / "kubelet.sock")
+        running = start_agent(
+            mig_node,
+            backend,
+            api,
+            plugin_dir,
+            pod_resources=KubeletPodResources(str(podres.path)),
+            identity_check_s=0.05,
+        )
+        try:
+            conn = kubelet.next_connection()
+            ids = all_ids(conn)
+            devices = registered(api, mig_node)
+            profile = next(p for p in devices[0].mig_profiles if p.name == "2g.10gb")
+            place = Placement(profile.placements[0].start, profile.placements[0].size)
+            for name, gpu in (("mrep-a", devices[0]), ("mrep-b", devices[1])):
+                alloc = MigAllocation(0, 0, gpu.id, profile.name, place)
+                entry = [[(gpu.id, profile.memory_mb, profile.core)]]
+                api.post(PODS, scheduled_pod(name, mig_node, entry, [alloc]))
+            # The kubelet admits mrep-b: the agent cannot tell, and the pods are alike.
+            first = conn.preferred(ids, 1)
+            x = dict(conn.allocate(first).envs)["NVIDIA_VISIBLE_DEVICES"]
+            second = conn.preferred([i for i in ids if i not in first], 1)
+            y = dict(conn.allocate(second).envs)["NVIDIA_VISIBLE_DEVICES"]
+            assert x.startswith("MIG-") and y.startswith("MIG-") and x != y
+            assert gis(backend, 0) == gis(backend, 1) == [place]
+            podres.held = {("default/mrep-b", "c0"): first, ("default/mrep-a", "c0"): second}
+
+            def held(pod: str) -> list[str]:
+                recs = decode_mig_allocations(pod_annotations(api, pod)[MIG_ALLOCATIONS])
+                return [r.runtime.mig_uuid for r in recs if r.runtime is not None]
+
+            eventually(
+                lambda: (held("mrep-b"), held("mrep-a")) == ([x], [y]),
+                what="recorded MIG instances follow the kubelet's record",
+            )
+            manager = running.agent.mig_manager
+            assert manager is not None
+
+            def owners() -> dict[str, str]:
+                return {m.identity.mig_uuid: m.owner.pod for m in manager.instances().values()}
+
+            eventually(
+                lambda: owners() == {x: "default/mrep-b", y: "default/mrep-a"},
+                what="the reconcile loop moves the instances to their holders",
+            )
+            assert gis(backend, 0) == gis(backend, 1) == [place]  # nothing destroyed
+            delete(api, "mrep-b")  # it ran on x, the instance reserved for mrep-a
+            eventually(
+                lambda: set(owners()) == {y} and gis(backend, 1) == [place],
+                what="the ended pod's real instance reclaimed, the other kept",
+            )
+            identities = running.agent.identities
+            assert identities is not None and not identities.pending()
+        finally:
+            running.close()
+            podres.stop()
+
+
 def test_agent_waits_for_the_kubelet_and_stops_cleanly_without_one(
     api: KubeClient, shared_node: str, plugin_dir: Path
 ) -> None:

@@ -726,7 +726,7 @@ def test_reserve_hands_over_at_once_when_nothing_on_the_node_is_ambiguous(h: Har
     assert dict(h.prebind("p", "n", hand_over=True).annotations) == handed  # as PreBind's
     assert h.kube.patches == []
     assert "default/p" in h.cache.allocating("n")
-    second = make_pod("q").gpu(2, mem=8000).mode("mig").build()
+    second = make_pod("q").gpu(2, mem=4000).mode("mig").build()
     assert _reserve_handing_over(h, second, "n") == {}  # p is allocating, same count
     assert h.cache.state.allocation("default/q") is not None  # still reserved
     waiting = h.stub.PreBind.future(
@@ -1235,6 +1235,31 @@ def test_interchangeable_pods_allocate_on_one_node_at_once(h_short_wait: Harness
     assert len(h.kube.patches) == 3
     h.schedule(make_pod("other").gpu(1, mem=2000).build(), "n")
     with pytest.raises(grpc.RpcError) as e:  # another request still waits
+        h.prebind("other", "n")
+    assert _code(e) == WAIT_ELSEWHERE
+
+
+def test_mig_replicas_allocate_on_one_node_at_once(h_short_wait: Harness) -> None:
+    """MIG pods asking one profile per device, alike otherwise, are interchangeable: the
+    node agent may create either's reserved instance for the other (the set of reserved
+    placements is the same) and correct the records from the kubelet's PodResources, so
+    they do not wait for each other; another profile of the same device count still does."""
+    h = h_short_wait
+    h.cache.apply_node(node_obj("n", mig_gpu("GPU-m"), mig_gpu("GPU-k", index=1)))
+    for name in ("p1", "p2"):
+        h.schedule(make_pod(name).gpu(1, mem=8000).mode("mig").build(), "n")
+    t0 = time.monotonic()
+    first = dict(h.prebind("p1", "n").annotations)
+    second = dict(h.prebind("p2", "n").annotations)  # p1 claimed allocating, alike: no wait
+    assert time.monotonic() - t0 < 0.4
+    placements = {
+        (a["gpuUUID"], a["placement"]["start"], a["profile"])
+        for w in (first, second)
+        for a in json.loads(w[ann.MIG_ALLOCATIONS])
+    }
+    assert len(placements) == 2 and {p for _, _, p in placements} == {"2g.10gb"}
+    h.schedule(make_pod("other").gpu(1, mem=4000).mode("mig").build(), "n")
+    with pytest.raises(grpc.RpcError) as e:  # another profile, one device: still waits
         h.prebind("other", "n")
     assert _code(e) == WAIT_ELSEWHERE
 

@@ -4,10 +4,12 @@ ambiguous()."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from api.hami.devices import RuntimeIdentity, encode_mig_allocations
 from api.hami.keys import DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS, USE_GPUTYPE
 from api.hami.matching import (
     ambiguous,
@@ -18,7 +20,7 @@ from api.hami.matching import (
 from api.kube.objects import annotations_of
 from node_agent.deviceplugin.ids import InvalidDeviceIdError
 from node_agent.pod_matching import AmbiguousPodError, NoMatchingPodError, match_pod, preferred_gpus
-from tests.node_agent_fakes import make_pod
+from tests.node_agent_fakes import make_pod, mig_alloc
 
 A, B = "GPU-aaaa-1111", "GPU-bbbb-2222"
 NODE = "node-a"
@@ -302,7 +304,7 @@ def test_interchange_key_reads_the_extended_resources_not_cpu_or_memory() -> Non
     assert interchange_key(control) != base
 
 
-def test_interchange_key_needs_one_unallocated_gpu_container_without_mig() -> None:
+def test_interchange_key_needs_one_unallocated_gpu_container_and_a_readable_record() -> None:
     assert interchange_key(make_pod("p", devices=one())) is not None
     two = make_pod(
         "p", devices=[[(A, 1, 1)], [(B, 1, 1)]], containers=[{"name": "x"}, {"name": "y"}]
@@ -321,6 +323,69 @@ def test_interchange_key_needs_one_unallocated_gpu_container_without_mig() -> No
     assert interchange_key(bare, annotations_of(make_pod("p", devices=one()))) == interchange_key(
         make_pod("p", devices=one())
     )
+
+
+def _mig_pod(name: str, *reserved: tuple[str, str, int]) -> dict[str, Any]:
+    """A pod of one MIG container: one device per (GPU, profile, start)."""
+    return make_pod(
+        name,
+        devices=[[(gpu, 9984, 29) for gpu, _, _ in reserved]],
+        mig=[mig_alloc(0, i, gpu, prof, start, 2) for i, (gpu, prof, start) in enumerate(reserved)],
+    )
+
+
+# (case, the other pod, interchangeable, ambiguous: the node agent could not tell them apart)
+MIG_KEYS: list[tuple[str, dict[str, Any], bool, bool]] = [
+    ("the same profile on another GPU", _mig_pod("b", (B, "2g.10gb", 2)), True, False),
+    ("the same profile at another placement", _mig_pod("b", (A, "2g.10gb", 4)), True, False),
+    ("another profile", _mig_pod("b", (A, "3g.20gb", 4)), False, True),
+    (
+        "two devices: told apart by count",
+        _mig_pod("b", (A, "2g.10gb", 2), (B, "2g.10gb", 2)),
+        False,
+        False,
+    ),
+    (
+        "the same entry without a MIG reservation",
+        make_pod("b", devices=[[(A, 9984, 29)]]),
+        False,
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "other", "alike", "blind"), MIG_KEYS, ids=[c[0] for c in MIG_KEYS]
+)
+def test_mig_pods_are_interchangeable_when_each_device_asks_one_profile(
+    case: str, other: dict[str, Any], alike: bool, blind: bool
+) -> None:
+    """Either pod may be handed the other's reserved instance: the set of reserved
+    placements is the same whichever pod holds which, and the record follows the kubelet's."""
+    base = _mig_pod("a", (A, "2g.10gb", 2))
+    ka, kb = interchange_key(base), interchange_key(other)
+    assert ka is not None and kb is not None
+    assert interchangeable(ka, kb) is alike
+    assert ambiguous(annotations_of(base), annotations_of(other), keys=(ka, kb)) is blind
+
+
+def test_a_mig_reservation_is_nobodys_twin_once_realized_or_when_it_misses_a_device() -> None:
+    realized = _mig_pod("a", (A, "2g.10gb", 2))
+    [res] = [mig_alloc(0, 0, A, "2g.10gb", 2, 2)]
+    done = replace(res, runtime=RuntimeIdentity("MIG-x", 1, 0))
+    realized["metadata"]["annotations"][MIG_ALLOCATIONS] = encode_mig_allocations([done])
+    assert interchange_key(realized) is None
+    short = make_pod(
+        "b", devices=[[(A, 9984, 29), (B, 9984, 29)]], mig=[mig_alloc(0, 0, A, "2g.10gb", 2, 2)]
+    )
+    assert interchange_key(short) is None
+    elsewhere = make_pod(
+        "c",
+        devices=[[(A, 9984, 29)], []],
+        mig=[mig_alloc(1, 0, A, "2g.10gb", 2, 2)],
+        containers=[{"name": "x"}, {"name": "y"}],
+    )
+    assert interchange_key(elsewhere) is None
 
 
 def test_ambiguous_is_true_for_unreadable_annotations() -> None:

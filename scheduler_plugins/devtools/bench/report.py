@@ -614,9 +614,10 @@ def _concurrency_section(result: Json) -> list[str]:
         "## Node concurrency",
         "",
         "Pods created at once, all aimed at one node (and GPU). Pods whose next containers ask",
-        "the same device count and are not interchangeable (unequal shares, MIG) are ambiguous",
-        "to the node agent, so Tessera binds them one after another's allocation; equal shares",
-        "(replicas) and pods asking distinct counts bind without waiting.",
+        "the same device count and are not interchangeable (unequal shares, MIG of two profiles)",
+        "are ambiguous to the node agent, so Tessera binds them one after another's allocation;",
+        "equal shares and MIG pods of one profile (replicas) and pods asking distinct counts",
+        "bind without waiting.",
         "",
         *_table(
             [
