@@ -157,6 +157,8 @@ class NodeAgent:
                 else None
             )
             self.identities = identities
+            if mig is not None and identities is not None:
+                mig.protect(identities.protected)
             allocator = Allocator(
                 self.node_name,
                 self._kube,

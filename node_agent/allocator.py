@@ -162,7 +162,7 @@ class Allocator:
             if self._identities is not None:
                 siblings = (match.key, *match.siblings) if match.siblings else ()
                 self._identities.handed(
-                    ids, [d.uuid for d in match.devices], siblings, mig=given.mig
+                    ids, [d.uuid for d in match.devices], siblings, mig=given.mig, pod=match.key
                 )
         return out
 

@@ -28,7 +28,9 @@ placement, runtime identity) is corrected with its devices in the same two round
 first writing the old instances and then the real ones (the scheduler sees an overlap and
 places nothing new on those GPUs until the second). The MIG manager hands an instance to
 the pod whose record names its runtime identity (``MigManager.reconcile``), so neither
-round destroys what a container runs on.
+round destroys what a container runs on, and keeps every instance of a hand-out until its
+pods are settled (``protected``): a pod of the pair may end first, recording the instance
+the other runs on.
 
 A pod the kubelet does not show yet stays pending (checked again at the next ``check``); a
 pod gone from the node is dropped. ``corrections`` is the pure rule.
@@ -326,6 +328,8 @@ class IdentityFixer:
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._handed: dict[frozenset[str], _Handout] = {}
+        # MIG UUID -> the interchangeable pods it was handed out among (``protected``).
+        self._guarded: dict[str, frozenset[str]] = {}
         self.wake = threading.Event()
         self.corrected = 0
 
@@ -336,22 +340,41 @@ class IdentityFixer:
         pods: Iterable[str] = (),
         *,
         mig: Sequence[MigAllocation] = (),
+        pod: str = "",
     ) -> None:
-        """An Allocate gave the request ``ids`` the entry on ``gpus`` (and the MIG instances
-        ``mig``, with their runtime identities); ``pods``: the interchangeable pods it was
-        chosen among (now pending), none when it named its pod."""
+        """An Allocate gave the request ``ids`` the entry of pod ``pod`` on ``gpus`` (and the
+        MIG instances ``mig``, with their runtime identities); ``pods``: the interchangeable
+        pods it was chosen among (now pending), none when it named its pod. The instances
+        are guarded (``protected``) while a pod of the hand-out is pending, also when ``pod``
+        was the last of an earlier hand-out's pods to allocate (the kubelet's container may be
+        the other's)."""
         pods = tuple(pods)
         with self._lock:
             self._handed[frozenset(ids)] = _Handout(tuple(gpus), tuple(mig))
             while len(self._handed) > MAX_HANDED:
                 del self._handed[next(iter(self._handed))]
             self._pending.update(pods)
+            among = frozenset(pods) | ({pod} if pod in self._pending else set())
+            if among:
+                for a in mig:
+                    if a.runtime is not None:
+                        self._guarded[a.runtime.mig_uuid] = among
         if pods:
             self.wake.set()
 
     def pending(self) -> set[str]:
         with self._lock:
             return set(self._pending)
+
+    def protected(self) -> frozenset[str]:
+        """MIG UUIDs handed out among interchangeable pods of which some is still pending:
+        until the kubelet shows who holds it, the pods' records may name the wrong pod (one
+        that ended while the other runs on it), so the MIG manager must keep it
+        (``MigManager.protect``)."""
+        with self._lock:
+            for uuid in [u for u, pods in self._guarded.items() if not pods & self._pending]:
+                del self._guarded[uuid]
+            return frozenset(self._guarded)
 
     def adopt(self, pods: Iterable[Mapping[str, Any]]) -> None:
         """After a restart: pods whose record holds more devices than their one GPU container

@@ -30,8 +30,10 @@ Design
   owner, unless another desired reservation at that key records the instance's exact
   runtime identity: only the agent writes one, so that pod holds it (the record moved there
   from an interchangeable pod, ``node_agent.identities``) and ownership moves instead; adopt
-  unmanaged instances that match a desired reservation's complete runtime identity.
-  ``InUse`` (processes still running) is reported and retried on the next pass.
+  unmanaged instances that match a desired reservation's complete runtime identity. An
+  instance ``protect`` names (handed out among interchangeable pods, its holder not yet
+  read from the kubelet) is kept. ``InUse`` (processes still running) is reported and
+  retried on the next pass.
 - ``adopt_on_start`` (restart adoption): GPUs busy by reservations, NVML processes, the
   desired set's ``held_gpus`` or the caller's ``busy_gpus`` are kept; idle MIG GPUs are
   cleaned to a MIG-ready state (all their CIs and GIs destroyed); each reservation with a
@@ -49,7 +51,7 @@ or was replaced is forgotten, not destroyed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Final
@@ -160,6 +162,7 @@ class ReconcileReport:
     failed: tuple[Problem, ...] = ()  # other NVML failures; retried next pass
     vanished: tuple[InstanceKey, ...] = ()  # gone or replaced in NVML: forgotten, not destroyed
     mismatched: tuple[Problem, ...] = ()  # recorded identity does not match NVML
+    held: tuple[InstanceKey, ...] = ()  # handed out, holder not known yet: kept (``protect``)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ class _Tally:
     vanished: list[InstanceKey] = field(default_factory=list)
     mismatched: list[Problem] = field(default_factory=list)
     pending: list[Owner] = field(default_factory=list)
+    held: list[InstanceKey] = field(default_factory=list)
 
 
 class MigManager:
@@ -257,6 +261,14 @@ class MigManager:
         # (the agent never changes it), so read once, like the UUIDs above. A GPU that
         # resolves none (MIG off, or NVML failing) is asked again next time.
         self._profiles_of: dict[int, dict[str, GpuInstanceProfileInfo]] = {}
+        self._protected: Callable[[], Set[str]] = frozenset
+
+    def protect(self, held: Callable[[], Set[str]]) -> None:
+        """``held()``: MIG UUIDs of instances that ``reconcile`` must keep whatever the pods
+        record: handed out among interchangeable pods whose records are not checked against
+        the kubelet yet (``IdentityFixer.protected``), so the pod recorded may not be the one
+        running on it."""
+        self._protected = held
 
     def instances(self) -> dict[InstanceKey, ManagedInstance]:
         """A snapshot of the managed instances."""
@@ -496,6 +508,7 @@ class MigManager:
         with self._state_lock:
             gpus = sorted({k.gpu_index for k in self._instances} | set(by_gpu))
         tally = _Tally()
+        protected = self._protected()
         for idx in gpus:
             with self._gpu_locks_held({idx}):
                 for m in self._managed_on(idx):
@@ -505,6 +518,8 @@ class MigManager:
                     heir = min((o for o, rt in claims.items() if rt == m.identity), default=None)
                     if heir is not None:
                         self._move(m, heir)
+                    elif m.identity.mig_uuid in protected:
+                        tally.held.append(m.key)
                     else:
                         self._destroy_managed(m, tally)
                 self._adopt_recorded(idx, by_gpu.get(idx, []), tally)
@@ -515,6 +530,7 @@ class MigManager:
             failed=tuple(tally.failed),
             vanished=tuple(tally.vanished),
             mismatched=tuple(tally.mismatched),
+            held=tuple(tally.held),
         )
 
     def _move(self, m: ManagedInstance, owner: Owner) -> None:

@@ -84,13 +84,26 @@ def live_instances(backend: SimulatedNvml) -> set[str]:
     return out
 
 
-def guard(kube: FakeKube, backend: SimulatedNvml, mig: MigManager, in_use: set[str]) -> None:
-    """After a write: every MIG instance a container runs on is recorded by some pod, and the
-    agent's reconcile (as it runs between any two writes) destroys none of them."""
-    recorded = {
-        a.runtime.mig_uuid for path in (P, Q) for a in mig_of(kube, path) if a.runtime is not None
-    }
-    assert in_use <= recorded, f"instances in use but recorded by nobody: {in_use - recorded}"
+def guard(
+    kube: FakeKube,
+    backend: SimulatedNvml,
+    mig: MigManager,
+    in_use: set[str],
+    *,
+    records: bool = True,
+) -> None:
+    """After a write: every MIG instance a container runs on is recorded by some pod (with
+    ``records``), and the agent's reconcile (as it runs between any two writes) destroys
+    none of them."""
+    if records:
+        recorded = {
+            a.runtime.mig_uuid
+            for path in (P, Q)
+            if path in kube.objects
+            for a in mig_of(kube, path)
+            if a.runtime is not None
+        }
+        assert in_use <= recorded, f"instances in use but recorded by nobody: {in_use - recorded}"
     read = desired_from_pods(kube.list("/api/v1/pods")["items"], node_name=NODE)
     report = mig.reconcile(read.desired, reason=read.reason)
     assert not report.destroyed
@@ -121,6 +134,7 @@ def setup(
     cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "mig"),))
     mig = MigManager(backend, node_name=NODE)
     alloc = Allocator(NODE, kube, backend, mig, cfg, cache_name=lambda: "x", identities=fixer)
+    mig.protect(fixer.protected)  # as the node agent wires them
     return alloc, fixer, lister, mig
 
 
@@ -191,6 +205,31 @@ def test_a_correction_cut_after_its_first_round_is_finished_by_a_restarted_agent
     assert p_rec.runtime is not None and q_rec.runtime is not None
     assert (q_rec.runtime.mig_uuid, p_rec.runtime.mig_uuid) == (x, y)
     assert (gpus_of(kube, P), gpus_of(kube, Q)) == ([G1], [G0])
+
+
+def test_an_instance_handed_out_is_kept_until_its_holder_is_known(
+    backend: SimulatedNvml,
+) -> None:
+    """p ends before the kubelet's record is read: it recorded x, which q runs on, and q
+    records y. The instances of a pending hand-out are kept whatever the records say, and
+    once q's record follows the kubelet's, y (nobody's) goes and x stays."""
+    kube = Checked()
+    alloc, fixer, lister, mig = setup(kube, backend, G1, 2)
+    x, y, _ = allocate_swapped(kube, alloc, lister)
+    kube.objects.pop(P)
+    del lister.held[("default/p", "c0")]
+    assert fixer.protected() == {x, y}
+    # p is gone and q records y: nobody records x, yet the agent keeps it.
+    guard(kube, backend, mig, {x}, records=False)
+    kube.after = lambda: guard(kube, backend, mig, {x})
+    assert fixer.check() is True
+    [q_rec] = mig_of(kube, Q)
+    assert q_rec.runtime is not None and q_rec.runtime.mig_uuid == x
+    assert fixer.protected() == frozenset()
+    read = desired_from_pods(kube.list("/api/v1/pods")["items"], node_name=NODE)
+    report = mig.reconcile(read.desired)
+    assert len(report.destroyed) == 1 and live_instances(backend) == {x}
+    assert {m.identity.mig_uuid: m.owner.pod for m in mig.instances().values()} == {x: "default/q"}
 
 
 def test_a_mig_hand_out_that_named_the_right_pod_writes_nothing(backend: SimulatedNvml) -> None:
