@@ -219,6 +219,47 @@ def test_replicas_on_one_node_bind_without_waiting_for_each_other(
         c.delete_pods("e2e-replicas=yes")
 
 
+def test_mig_replicas_on_one_node_bind_without_waiting_for_each_other(
+    small_cluster: E2ECluster,
+) -> None:
+    """Three MIG replicas of one profile aimed at one node are interchangeable to its node
+    agent: none waits at PreBind for another's allocation, and each ends with its own
+    instance on that node's GPU."""
+    c = small_cluster
+    node = c.nodes_in_mode("mig")[0]
+    (gpu,) = c.registers[node]
+    log = c.settings.log_file(PLUGIN_SERVER)
+    waiting = "waiting for ambiguous allocating pods"
+    waits_before = log.read_text().count(waiting)
+    labels = {"e2e-mig-replicas": "yes"}
+    c.create_many(
+        [
+            pod_manifest(
+                f"mig-replica-{i}",
+                {GPU: 1, GPUMEM: 4000},
+                annotations=MIG,
+                labels=labels,
+                nodes=[node],
+            )
+            for i in range(3)
+        ]
+    )
+    try:
+        pods = [c.wait_bound(f"mig-replica-{i}") for i in range(3)]
+        assert {node_of(p) for p in pods} == {node}
+        assert all(annots(p)[ann.BIND_PHASE] == "success" for p in pods)
+        allocs = [m for p in pods for m in decode_mig_allocations(annots(p)[ann.MIG_ALLOCATIONS])]
+        assert {m.profile for m in allocs} == {"1g.5gb"} and {m.gpu_uuid for m in allocs} == {
+            gpu.id
+        }
+        assert len({m.placement.start for m in allocs}) == 3
+        assert len({m.runtime.mig_uuid for m in allocs if m.runtime is not None}) == 3
+        assert all(not annotation_violations(p, c.registers) for p in pods)
+        assert log.read_text().count(waiting) == waits_before, "MIG replicas waited at PreBind"
+    finally:
+        c.delete_pods("e2e-mig-replicas=yes")
+
+
 def test_plain_pods_scheduled_by_same_profile(small_cluster: E2ECluster) -> None:
     c = small_cluster
     c.create(pod_manifest("plain"))
