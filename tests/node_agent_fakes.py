@@ -9,7 +9,7 @@ patch semantics (null deletes) and can be told to fail the next calls.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from api.hami.devices import (
@@ -28,6 +28,8 @@ from api.hami.keys import (
 )
 from api.hami.register import Placement
 from api.kube.errors import ConflictError, NotFoundError
+from node_agent.identities import Held
+from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
 
 
 def _merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
@@ -100,6 +102,53 @@ class FakeKube:
 
     def annotations(self, path: str) -> dict[str, str]:
         return dict(self.objects[path]["metadata"].get("annotations") or {})
+
+
+class ScriptedKube(FakeKube):
+    """A ``FakeKube`` whose ``fail_at``-th merge patch (counting from 1, in ``calls``) is
+    answered with a conflict, and which runs ``after`` after every write that went through
+    (counted in ``writes``): a check that must hold between any two writes."""
+
+    def __init__(self, fail_at: int = 0, after: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.after: Callable[[], None] = after or (lambda: None)
+        self.calls = 0
+        self.writes = 0
+
+    def merge_patch(
+        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
+    ) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConflictError("PATCH", path, 409, "Conflict", "the object has been modified")
+        out = super().merge_patch(path, patch, resource_version=resource_version)
+        self.writes += 1
+        self.after()
+        return out
+
+
+class FakeLister:
+    """What the kubelet's PodResources List shows: (pod key, container) -> device ids."""
+
+    def __init__(self, resource: str = "nvidia.com/gpu") -> None:
+        self.resource = resource
+        self.held: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.calls = 0
+
+    def list(self, resource: str) -> Held:
+        assert resource == self.resource
+        self.calls += 1
+        return dict(self.held)
+
+
+def simulated_gpus(*uuids: str, model: str = "A100-PCIE-40GB") -> Iterator[SimulatedNvml]:
+    """An initialized in-memory simulated NVML with one GPU of ``model`` per UUID (MIG
+    capable where the model is), shut down after (a fixture's body: ``yield from``)."""
+    backend = SimulatedNvml([SimulatedGpuSpec(model, uuid=u) for u in uuids], None)
+    backend.init()
+    yield backend
+    backend.shutdown()
 
 
 def make_pod(

@@ -156,6 +156,29 @@ def start_agent(
     return running
 
 
+@contextlib.contextmanager
+def agent_with_pod_resources(
+    node: str, backend: SimulatedNvml, api: KubeClient, plugin_dir: Path
+) -> Iterator[tuple[Running, FakePodResources]]:
+    """A running agent that reads the kubelet's PodResources from a fake socket (checked
+    every 0.05 s), and that socket; both stopped after."""
+    with tempfile.TemporaryDirectory(prefix="podres-") as d:
+        podres = FakePodResources(Path(d) / "kubelet.sock")
+        running = start_agent(
+            node,
+            backend,
+            api,
+            plugin_dir,
+            pod_resources=KubeletPodResources(str(podres.path)),
+            identity_check_s=0.05,
+        )
+        try:
+            yield running, podres
+        finally:
+            running.close()
+            podres.stop()
+
+
 def registered(api: KubeClient, node: str) -> list[GpuDevice]:
     def read() -> list[GpuDevice] | None:
         ann = api.get(f"/api/v1/nodes/{node}")["metadata"].get("annotations") or {}
@@ -382,50 +405,37 @@ def test_interchangeable_pods_allocate_at_once_and_their_gpus_follow_the_kubelet
     PodResources shows who holds which ids, each pod records the GPU it really got."""
     specs = [SimulatedGpuSpec(A100, mig_enabled=False)] * 2
     backend = SimulatedNvml(specs, None, node_name=shared_node)
-    with tempfile.TemporaryDirectory(prefix="podres-") as d:
-        podres = FakePodResources(Path(d) / "kubelet.sock")
-        running = start_agent(
-            shared_node,
-            backend,
-            api,
-            plugin_dir,
-            pod_resources=KubeletPodResources(str(podres.path)),
-            identity_check_s=0.05,
+    with agent_with_pod_resources(shared_node, backend, api, plugin_dir) as (running, podres):
+        conn = kubelet.next_connection()
+        ids = all_ids(conn)
+        g0, g1 = (dev.id for dev in registered(api, shared_node))
+        api.post(PODS, scheduled_pod("rep-a", shared_node, [[(g0, 1000, 10)]], []))
+        api.post(PODS, scheduled_pod("rep-b", shared_node, [[(g1, 1000, 10)]], []))
+        # The kubelet admits rep-b: GetPreferredAllocation names one replica's GPU.
+        first = conn.preferred(ids, 1)
+        gpu_first = first[0].rsplit("-", 1)[0]
+        envs = dict(conn.allocate(first).envs)
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == gpu_first
+        assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
+        second = conn.preferred([i for i in ids if i not in first], 1)
+        gpu_second = second[0].rsplit("-", 1)[0]
+        assert {gpu_first, gpu_second} == {g0, g1}
+        conn.allocate(second)
+        for pod in ("rep-a", "rep-b"):
+            assert pod_annotations(api, pod)[BIND_PHASE] == "success"
+        # The kubelet recorded rep-b's container with the first ids, rep-a's the second.
+        podres.held = {("default/rep-b", "c0"): first, ("default/rep-a", "c0"): second}
+
+        def gpus(pod: str) -> list[str]:
+            devices = decode_devices(pod_annotations(api, pod)[DEVICES_ALLOCATED])
+            return [dev.uuid for c in devices for dev in c]
+
+        eventually(
+            lambda: gpus("rep-b") == [gpu_first] and gpus("rep-a") == [gpu_second],
+            what="recorded GPUs follow the kubelet's record",
         )
-        try:
-            conn = kubelet.next_connection()
-            ids = all_ids(conn)
-            g0, g1 = (dev.id for dev in registered(api, shared_node))
-            api.post(PODS, scheduled_pod("rep-a", shared_node, [[(g0, 1000, 10)]], []))
-            api.post(PODS, scheduled_pod("rep-b", shared_node, [[(g1, 1000, 10)]], []))
-            # The kubelet admits rep-b: GetPreferredAllocation names one replica's GPU.
-            first = conn.preferred(ids, 1)
-            gpu_first = first[0].rsplit("-", 1)[0]
-            envs = dict(conn.allocate(first).envs)
-            assert envs["NVIDIA_VISIBLE_DEVICES"] == gpu_first
-            assert envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"
-            second = conn.preferred([i for i in ids if i not in first], 1)
-            gpu_second = second[0].rsplit("-", 1)[0]
-            assert {gpu_first, gpu_second} == {g0, g1}
-            conn.allocate(second)
-            for pod in ("rep-a", "rep-b"):
-                assert pod_annotations(api, pod)[BIND_PHASE] == "success"
-            # The kubelet recorded rep-b's container with the first ids, rep-a's the second.
-            podres.held = {("default/rep-b", "c0"): first, ("default/rep-a", "c0"): second}
-
-            def gpus(pod: str) -> list[str]:
-                devices = decode_devices(pod_annotations(api, pod)[DEVICES_ALLOCATED])
-                return [dev.uuid for c in devices for dev in c]
-
-            eventually(
-                lambda: gpus("rep-b") == [gpu_first] and gpus("rep-a") == [gpu_second],
-                what="recorded GPUs follow the kubelet's record",
-            )
-            identities = running.agent.identities
-            assert identities is not None and not identities.pending()
-        finally:
-            running.close()
-            podres.stop()
+        identities = running.agent.identities
+        assert identities is not None and not identities.pending()
 
 
 def test_mig_replicas_allocate_at_once_and_their_instances_follow_the_kubelets_record(
@@ -438,64 +448,51 @@ def test_mig_replicas_allocate_at_once_and_their_instances_follow_the_kubelets_r
     when a pod ends the instance it really held goes."""
     specs = [SimulatedGpuSpec(A100), SimulatedGpuSpec(A100)]
     backend = SimulatedNvml(specs, None, node_name=mig_node)
-    with tempfile.TemporaryDirectory(prefix="podres-") as d:
-        podres = FakePodResources(Path(d) / "kubelet.sock")
-        running = start_agent(
-            mig_node,
-            backend,
-            api,
-            plugin_dir,
-            pod_resources=KubeletPodResources(str(podres.path)),
-            identity_check_s=0.05,
+    with agent_with_pod_resources(mig_node, backend, api, plugin_dir) as (running, podres):
+        conn = kubelet.next_connection()
+        ids = all_ids(conn)
+        devices = registered(api, mig_node)
+        profile = next(p for p in devices[0].mig_profiles if p.name == "2g.10gb")
+        place = Placement(profile.placements[0].start, profile.placements[0].size)
+        for name, gpu in (("mrep-a", devices[0]), ("mrep-b", devices[1])):
+            alloc = MigAllocation(0, 0, gpu.id, profile.name, place)
+            entry = [[(gpu.id, profile.memory_mb, profile.core)]]
+            api.post(PODS, scheduled_pod(name, mig_node, entry, [alloc]))
+        # The kubelet admits mrep-b: the agent cannot tell, and the pods are alike.
+        first = conn.preferred(ids, 1)
+        x = dict(conn.allocate(first).envs)["NVIDIA_VISIBLE_DEVICES"]
+        second = conn.preferred([i for i in ids if i not in first], 1)
+        y = dict(conn.allocate(second).envs)["NVIDIA_VISIBLE_DEVICES"]
+        assert x.startswith("MIG-") and y.startswith("MIG-") and x != y
+        assert gis(backend, 0) == gis(backend, 1) == [place]
+        podres.held = {("default/mrep-b", "c0"): first, ("default/mrep-a", "c0"): second}
+
+        def held(pod: str) -> list[str]:
+            recs = decode_mig_allocations(pod_annotations(api, pod)[MIG_ALLOCATIONS])
+            return [r.runtime.mig_uuid for r in recs if r.runtime is not None]
+
+        eventually(
+            lambda: (held("mrep-b"), held("mrep-a")) == ([x], [y]),
+            what="recorded MIG instances follow the kubelet's record",
         )
-        try:
-            conn = kubelet.next_connection()
-            ids = all_ids(conn)
-            devices = registered(api, mig_node)
-            profile = next(p for p in devices[0].mig_profiles if p.name == "2g.10gb")
-            place = Placement(profile.placements[0].start, profile.placements[0].size)
-            for name, gpu in (("mrep-a", devices[0]), ("mrep-b", devices[1])):
-                alloc = MigAllocation(0, 0, gpu.id, profile.name, place)
-                entry = [[(gpu.id, profile.memory_mb, profile.core)]]
-                api.post(PODS, scheduled_pod(name, mig_node, entry, [alloc]))
-            # The kubelet admits mrep-b: the agent cannot tell, and the pods are alike.
-            first = conn.preferred(ids, 1)
-            x = dict(conn.allocate(first).envs)["NVIDIA_VISIBLE_DEVICES"]
-            second = conn.preferred([i for i in ids if i not in first], 1)
-            y = dict(conn.allocate(second).envs)["NVIDIA_VISIBLE_DEVICES"]
-            assert x.startswith("MIG-") and y.startswith("MIG-") and x != y
-            assert gis(backend, 0) == gis(backend, 1) == [place]
-            podres.held = {("default/mrep-b", "c0"): first, ("default/mrep-a", "c0"): second}
+        manager = running.agent.mig_manager
+        assert manager is not None
 
-            def held(pod: str) -> list[str]:
-                recs = decode_mig_allocations(pod_annotations(api, pod)[MIG_ALLOCATIONS])
-                return [r.runtime.mig_uuid for r in recs if r.runtime is not None]
+        def owners() -> dict[str, str]:
+            return {m.identity.mig_uuid: m.owner.pod for m in manager.instances().values()}
 
-            eventually(
-                lambda: (held("mrep-b"), held("mrep-a")) == ([x], [y]),
-                what="recorded MIG instances follow the kubelet's record",
-            )
-            manager = running.agent.mig_manager
-            assert manager is not None
-
-            def owners() -> dict[str, str]:
-                return {m.identity.mig_uuid: m.owner.pod for m in manager.instances().values()}
-
-            eventually(
-                lambda: owners() == {x: "default/mrep-b", y: "default/mrep-a"},
-                what="the reconcile loop moves the instances to their holders",
-            )
-            assert gis(backend, 0) == gis(backend, 1) == [place]  # nothing destroyed
-            delete(api, "mrep-b")  # it ran on x, the instance reserved for mrep-a
-            eventually(
-                lambda: set(owners()) == {y} and gis(backend, 1) == [place],
-                what="the ended pod's real instance reclaimed, the other kept",
-            )
-            identities = running.agent.identities
-            assert identities is not None and not identities.pending()
-        finally:
-            running.close()
-            podres.stop()
+        eventually(
+            lambda: owners() == {x: "default/mrep-b", y: "default/mrep-a"},
+            what="the reconcile loop moves the instances to their holders",
+        )
+        assert gis(backend, 0) == gis(backend, 1) == [place]  # nothing destroyed
+        delete(api, "mrep-b")  # it ran on x, the instance reserved for mrep-a
+        eventually(
+            lambda: set(owners()) == {y} and gis(backend, 1) == [place],
+            what="the ended pod's real instance reclaimed, the other kept",
+        )
+        identities = running.agent.identities
+        assert identities is not None and not identities.pending()
 
 
 def test_agent_waits_for_the_kubelet_and_stops_cleanly_without_one(

@@ -18,9 +18,9 @@ from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, prefer_spread
 from node_agent.deviceplugin.types import Mount
 from node_agent.mig_manager import MigAllocationError, MigManager
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from node_agent.nvml.simulated import SimulatedNvml
 from node_agent.pod_matching import AmbiguousPodError, NoMatchingPodError
-from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc
+from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc, simulated_gpus
 
 NODE = "node-a"
 G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
@@ -29,10 +29,7 @@ A100 = "A100-PCIE-40GB"
 
 @pytest.fixture
 def backend() -> Iterator[SimulatedNvml]:
-    b = SimulatedNvml([SimulatedGpuSpec(A100, uuid=G0), SimulatedGpuSpec(A100, uuid=G1)], None)
-    b.init()
-    yield b
-    b.shutdown()
+    yield from simulated_gpus(G0, G1, model=A100)
 
 
 def allocator(

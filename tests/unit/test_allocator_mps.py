@@ -14,8 +14,8 @@ from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE
 from node_agent.allocator import AllocationRefusedError, Allocator
 from node_agent.deviceplugin.types import Mount
 from node_agent.mps import MpsDaemonDownError, MpsDaemons, SimulatedMps
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc
+from node_agent.nvml.simulated import SimulatedNvml
+from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc, simulated_gpus
 
 NODE = "node-a"
 G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
@@ -24,10 +24,7 @@ A100 = "A100-PCIE-40GB"  # 40960 MiB
 
 @pytest.fixture
 def backend() -> Iterator[SimulatedNvml]:
-    b = SimulatedNvml([SimulatedGpuSpec(A100, uuid=G0), SimulatedGpuSpec(A100, uuid=G1)], None)
-    b.init()
-    yield b
-    b.shutdown()
+    yield from simulated_gpus(G0, G1, model=A100)
 
 
 @pytest.fixture

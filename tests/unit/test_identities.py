@@ -15,21 +15,19 @@ import pytest
 from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.devices import decode_devices
 from api.hami.keys import BIND_PHASE, DEVICES_ALLOCATED
-from api.kube.errors import ConflictError
 from api.podresources.v1 import api_pb2
 from node_agent.agent import NodeAgent
 from node_agent.allocator import Allocator
 from node_agent.identities import (
-    Held,
     IdentityFixer,
     KubeletPodResources,
     PodResourcesError,
     corrections,
 )
 from node_agent.mig_manager import MigManager
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
+from node_agent.nvml.simulated import SimulatedNvml
 from tests.fake_kubelet import FakePodResources
-from tests.node_agent_fakes import FakeKube, make_pod
+from tests.node_agent_fakes import FakeKube, FakeLister, ScriptedKube, make_pod, simulated_gpus
 
 NODE = "node-a"
 G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
@@ -37,50 +35,26 @@ SLOTS = [f"{g}-{s}" for g in (G0, G1) for s in range(4)]
 RESOURCE = "nvidia.com/gpu"
 
 
-class FakeLister:
-    """What the kubelet's PodResources List shows: (pod key, container) -> device ids."""
+class Recording(ScriptedKube):
+    """Checks after every write that no GPU is recorded by fewer pods than really use it
+    (and answers its ``fail_at``-th write with a conflict)."""
 
-    def __init__(self) -> None:
-        self.held: dict[tuple[str, str], tuple[str, ...]] = {}
-        self.calls = 0
-
-    def list(self, resource: str) -> Held:
-        assert resource == RESOURCE
-        self.calls += 1
-        return dict(self.held)
-
-
-class Recording(FakeKube):
-    """Checks after every write that no GPU is recorded by fewer pods than really use it."""
-
-    def __init__(self, users: Mapping[str, int]) -> None:
-        super().__init__()
+    def __init__(self, users: Mapping[str, int], fail_at: int = 0) -> None:
+        super().__init__(fail_at, after=self._check)
         self.users = users
-        self.writes = 0
 
-    def merge_patch(
-        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
-    ) -> Any:
-        out = super().merge_patch(path, patch, resource_version=resource_version)
-        self.writes += 1
+    def _check(self) -> None:
         counted: Counter[str] = Counter()
         for obj in self.objects.values():
             for entry in decode_devices(obj["metadata"]["annotations"].get(DEVICES_ALLOCATED, "")):
                 counted.update({d.uuid for d in entry})
         for gpu, n in self.users.items():
             assert counted[gpu] >= n, f"after write {self.writes}: {gpu} counted {counted[gpu]}"
-        return out
 
 
 @pytest.fixture
 def backend() -> Iterator[SimulatedNvml]:
-    b = SimulatedNvml(
-        [SimulatedGpuSpec("A100-PCIE-40GB", uuid=G0), SimulatedGpuSpec("A100-PCIE-40GB", uuid=G1)],
-        None,
-    )
-    b.init()
-    yield b
-    b.shutdown()
+    yield from simulated_gpus(G0, G1)
 
 
 def recorded(kube: FakeKube, path: str) -> list[str]:
@@ -158,28 +132,11 @@ def test_a_pod_the_kubelet_does_not_list_yet_keeps_what_others_record_counted(
     assert (recorded(kube, P), recorded(kube, Q)) == ([G1], [G0])
 
 
-class FailingNth(Recording):
-    """Answers its ``fail_at``-th write (counting from 1) with a conflict."""
-
-    def __init__(self, users: Mapping[str, int], fail_at: int) -> None:
-        super().__init__(users)
-        self.calls = 0
-        self.fail_at = fail_at
-
-    def merge_patch(
-        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
-    ) -> Any:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise ConflictError("PATCH", path, 409, "Conflict", "the object has been modified")
-        return super().merge_patch(path, patch, resource_version=resource_version)
-
-
 @pytest.mark.parametrize("fail_at", [1, 2])
 def test_a_conflict_in_round_one_holds_round_two_back(backend: SimulatedNvml, fail_at: int) -> None:
     """p's or q's first round fails: the other keeps its old and real GPUs (round two would
     drop a GPU the failed one's holder still uses), and the next check finishes both."""
-    kube = FailingNth({G0: 1, G1: 1}, fail_at=2 + fail_at)  # after the two allocations
+    kube = Recording({G0: 1, G1: 1}, fail_at=2 + fail_at)  # after the two allocations
     fixer, lister = _swapped(kube, backend)
     lister.held = {("default/q", "c0"): (f"{G0}-0",), ("default/p", "c0"): (f"{G1}-0",)}
     assert fixer.check() is False

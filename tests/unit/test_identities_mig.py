@@ -5,21 +5,26 @@ agent's reconcile never destroys an instance a container runs on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
 from api.hami.config import DeviceConfig, NodeConfig
 from api.hami.devices import MigAllocation, RuntimeIdentity, decode_devices, decode_mig_allocations
 from api.hami.keys import BIND_PHASE, DEVICES_ALLOCATED, MIG_ALLOCATIONS
-from api.kube.errors import ConflictError
 from node_agent.allocator import Allocator
-from node_agent.identities import Held, IdentityFixer
+from node_agent.identities import IdentityFixer
 from node_agent.mig_manager import DesiredSet, MigManager, Reservation
 from node_agent.mig_records import desired_from_pods
-from node_agent.nvml.simulated import SimulatedGpuSpec, SimulatedNvml
-from tests.node_agent_fakes import FakeKube, make_pod, mig_alloc
+from node_agent.nvml.simulated import SimulatedNvml
+from tests.node_agent_fakes import (
+    FakeKube,
+    FakeLister,
+    ScriptedKube,
+    make_pod,
+    mig_alloc,
+    simulated_gpus,
+)
 
 NODE = "node-a"
 G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
@@ -30,41 +35,9 @@ P, Q = "/api/v1/namespaces/default/pods/p", "/api/v1/namespaces/default/pods/q"
 ONE_GPU = [{"name": "c0", "image": "x", "resources": {"limits": {RESOURCE: "1"}}}]
 
 
-class FakeLister:
-    def __init__(self) -> None:
-        self.held: dict[tuple[str, str], tuple[str, ...]] = {}
-
-    def list(self, resource: str) -> Held:
-        assert resource == RESOURCE
-        return dict(self.held)
-
-
-class Checked(FakeKube):
-    """Runs ``after`` after every write; answers the ``fail_at``-th write with a conflict."""
-
-    def __init__(self, fail_at: int = 0) -> None:
-        super().__init__()
-        self.after: Callable[[], None] = lambda: None
-        self.calls = 0
-        self.fail_at = fail_at
-
-    def merge_patch(
-        self, path: str, patch: Mapping[str, Any], *, resource_version: str | None = None
-    ) -> Any:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise ConflictError("PATCH", path, 409, "Conflict", "the object has been modified")
-        out = super().merge_patch(path, patch, resource_version=resource_version)
-        self.after()
-        return out
-
-
 @pytest.fixture
 def backend() -> Iterator[SimulatedNvml]:
-    b = SimulatedNvml([SimulatedGpuSpec(A100, uuid=G0), SimulatedGpuSpec(A100, uuid=G1)], None)
-    b.init()
-    yield b
-    b.shutdown()
+    yield from simulated_gpus(G0, G1)
 
 
 def mig_of(kube: FakeKube, path: str) -> list[MigAllocation]:
@@ -111,7 +84,7 @@ def guard(
 
 
 def setup(
-    kube: Checked, backend: SimulatedNvml, q_gpu: str, q_start: int
+    kube: ScriptedKube, backend: SimulatedNvml, q_gpu: str, q_start: int
 ) -> tuple[Allocator, IdentityFixer, FakeLister, MigManager]:
     kube.add_pod(
         make_pod(
@@ -139,7 +112,7 @@ def setup(
 
 
 def allocate_swapped(
-    kube: Checked, alloc: Allocator, lister: FakeLister
+    kube: ScriptedKube, alloc: Allocator, lister: FakeLister
 ) -> tuple[str, str, set[str]]:
     """The kubelet admits q first; Allocate hands out p's reservation (the first in admission
     order), then q's to p's container. Returns the two MIG UUIDs handed out and the set in use."""
@@ -159,7 +132,7 @@ def allocate_swapped(
 def test_a_swapped_mig_hand_out_moves_the_records_and_keeps_both_instances(
     backend: SimulatedNvml, q_gpu: str, q_start: int
 ) -> None:
-    kube = Checked()
+    kube = ScriptedKube()
     alloc, fixer, lister, mig = setup(kube, backend, q_gpu, q_start)
     x, y, in_use = allocate_swapped(kube, alloc, lister)
     assert fixer.pending() == {"default/p", "default/q"}
@@ -191,7 +164,7 @@ def test_a_correction_cut_after_its_first_round_is_finished_by_a_restarted_agent
     """Round one wrote both pods' old and real instances and round two reached q only; the
     agent then restarts (no record of its hand-outs): it finds p's double record and
     finishes it from its second half."""
-    kube = Checked(fail_at=5)  # two allocations, two first rounds, then p's second fails
+    kube = ScriptedKube(fail_at=5)  # two allocations, two first rounds, then p's second fails
     alloc, fixer, lister, mig = setup(kube, backend, G1, 2)
     x, y, in_use = allocate_swapped(kube, alloc, lister)
     kube.after = lambda: guard(kube, backend, mig, in_use)
@@ -213,7 +186,7 @@ def test_an_instance_handed_out_is_kept_until_its_holder_is_known(
     """p ends before the kubelet's record is read: it recorded x, which q runs on, and q
     records y. The instances of a pending hand-out are kept whatever the records say, and
     once q's record follows the kubelet's, y (nobody's) goes and x stays."""
-    kube = Checked()
+    kube = ScriptedKube()
     alloc, fixer, lister, mig = setup(kube, backend, G1, 2)
     x, y, _ = allocate_swapped(kube, alloc, lister)
     kube.objects.pop(P)
@@ -233,7 +206,7 @@ def test_an_instance_handed_out_is_kept_until_its_holder_is_known(
 
 
 def test_a_mig_hand_out_that_named_the_right_pod_writes_nothing(backend: SimulatedNvml) -> None:
-    kube = Checked()
+    kube = ScriptedKube()
     alloc, fixer, lister, _ = setup(kube, backend, G1, 2)
     first = alloc.preferred(SLOTS, [], 1)
     alloc.allocate([first])
