@@ -235,3 +235,19 @@ def test_reconcile_moves_an_instance_only_to_a_record_of_its_own_identity(
     other = MigAllocation(0, 0, G0, "2g.10gb", a.placement, RuntimeIdentity("MIG-other", 1, 0))
     report = mig.reconcile(DesiredSet.of([Reservation("default/c", other)]))
     assert len(report.destroyed) == 1 and not mig.instances()
+
+
+def test_an_unreadable_mig_record_is_left_alone_and_the_others_still_corrected(
+    backend: SimulatedNvml,
+) -> None:
+    """q's record became unreadable after the hand-out: the check settles it with a warning
+    and writes nothing to it (the scheduler keeps counting what it last read), while p's
+    record still follows the kubelet's."""
+    kube = ScriptedKube()
+    alloc, fixer, lister, _ = setup(kube, backend, G1, 2)
+    _, y, _ = allocate_swapped(kube, alloc, lister)
+    kube.objects[Q]["metadata"]["annotations"][MIG_ALLOCATIONS] = "[{"
+    assert fixer.check() is True and not fixer.pending()
+    assert kube.annotations(Q)[MIG_ALLOCATIONS] == "[{"
+    [p_rec] = mig_of(kube, P)
+    assert p_rec.runtime is not None and p_rec.runtime.mig_uuid == y
