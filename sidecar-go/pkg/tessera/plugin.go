@@ -40,8 +40,10 @@ const (
 	DefaultResourceMemoryPercentageName = "nvidia.com/gpumem-percentage"
 	DefaultResourceCoreName             = "nvidia.com/gpucores"
 	// DefaultCandidateNodes: kube-scheduler filters and scores this many of Tessera's best
-	// nodes (it would otherwise sample 40-50% of every feasible node, one by one).
-	DefaultCandidateNodes int32 = 100
+	// nodes (it would otherwise sample 40-50% of every feasible node, one by one). Offered 100
+	// in a 1000-node drain, it took Tessera's best node for 90% of the pods and one of the best
+	// 20 for 93%; each candidate costs the serial cycle its filters and scores.
+	DefaultCandidateNodes int32 = 20
 )
 
 // Args are the plugin's pluginConfig args. Resource names use the same keys as HAMi's device

@@ -48,7 +48,7 @@ func TestNewDecodesAndDefaultsArgs(t *testing.T) {
 	if d.Socket != "/run/tessera/plugin.sock" || d.Timeout.Duration != 2*time.Second || d.BindTimeout.Duration != time.Minute ||
 		d.ResourceCountName != "nvidia.com/gpu" || d.ResourceMemoryName != "nvidia.com/gpumem" ||
 		d.ResourceMemoryPercentageName != "nvidia.com/gpumem-percentage" || d.ResourceCoreName != "nvidia.com/gpucores" ||
-		*d.CandidateNodes != 100 {
+		*d.CandidateNodes != 20 {
 		t.Errorf("defaults = %+v", d)
 	}
 }
