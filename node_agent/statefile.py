@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomically(path: Path, data: str) -> None:
+def write_atomically(path: Path, data: str | bytes) -> None:
     """Replace ``path`` with ``data`` in one rename: a restarted agent reads the old state or
     the new one, never half. Not fsynced: the state must outlive the agent's process, which
     the page cache does; a machine crash loses it, as a reboot clears a real GPU's MIG
@@ -15,8 +15,8 @@ def write_atomically(path: Path, data: str) -> None:
     milliseconds on a busy disk.) Raises OSError."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

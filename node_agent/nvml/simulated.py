@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import orjson
+
 from api.hami.catalog import (
     GpuModel,
     ProfileFact,
@@ -529,10 +531,9 @@ class SimulatedNvml:
         path = self._state_file
         if path is None:
             return
-        # Compact: the C encoder (an indented dump runs the pure-Python one, ~10x slower, and
-        # the kwok node agent persisted every MIG operation that way).
-        data = json.dumps(self._to_json(), separators=(",", ":"), sort_keys=True)
-        write_atomically(path, data)
+        # orjson: a tenth of the stdlib's C encoder's time (6 vs 72 us for 8 GPUs of MIG
+        # instances), and the kwok node agent persists every MIG operation.
+        write_atomically(path, orjson.dumps(self._to_json(), option=orjson.OPT_SORT_KEYS))
 
     def _load(self, path: Path) -> None:
         what = f"load simulated NVML state from {path}"
