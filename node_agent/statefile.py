@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomically(path: Path, data: str | bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` in one rename: a restarted agent reads the old state or
     the new one, never half. Not fsynced: the state must outlive the agent's process, which
     the page cache does; a machine crash loses it, as a reboot clears a real GPU's MIG
@@ -16,7 +16,7 @@ def write_atomically(path: Path, data: str | bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import orjson
 import structlog
 
 from api.hami.keys import MPS_MAX_CLIENTS
@@ -245,7 +246,7 @@ class SimulatedMps:
         if self.root is None:
             return
         path = self.root / STATE_FILE
-        data = json.dumps(self._to_json(), separators=(",", ":"), sort_keys=True)
+        data = orjson.dumps(self._to_json(), option=orjson.OPT_SORT_KEYS)
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_atomically(path, data)
