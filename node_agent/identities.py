@@ -70,6 +70,7 @@ from api.kube.objects import all_containers, annotations_of, as_object, finished
 from api.podresources.v1 import api_pb2
 from api.sockets import rpc_failure
 from node_agent.deviceplugin.ids import gpu_of
+from node_agent.mig_records import container_reservations
 
 if TYPE_CHECKING:
     from node_agent.allocator import PodApi
@@ -256,12 +257,7 @@ def corrections(
 def _container_mig(ann: Mapping[str, str], ci: int, *, obj: str) -> tuple[MigAllocation, ...]:
     """Container ``ci``'s MIG entries, by device index."""
     value = ann.get(MIG_ALLOCATIONS)
-    if not value:
-        return ()
-    allocs = decode_mig_allocations(value, obj=obj)
-    return tuple(
-        sorted((a for a in allocs if a.container_index == ci), key=lambda a: a.device_index)
-    )
+    return container_reservations(value, ci, obj=obj) if value else ()
 
 
 def _mig_correction(

@@ -24,6 +24,7 @@ from api.errors import InvalidAnnotationError
 from api.hami.devices import (
     MigAllocation,
     RuntimeIdentity,
+    container_mig,
     decode_devices,
     decode_mig_allocations,
     encode_mig_allocations,
@@ -145,13 +146,7 @@ def container_reservations(
     annotation_value: str, container_index: int, *, obj: str = ""
 ) -> tuple[MigAllocation, ...]:
     """The entries of ``container_index``, in ascending device index."""
-    allocs = decode_mig_allocations(annotation_value, obj=obj)
-    return tuple(
-        sorted(
-            (a for a in allocs if a.container_index == container_index),
-            key=lambda a: a.device_index,
-        )
-    )
+    return container_mig(decode_mig_allocations(annotation_value, obj=obj), container_index)
 
 
 def with_runtime(

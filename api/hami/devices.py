@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -137,6 +138,18 @@ class MigAllocation:
     profile: str
     placement: Placement
     runtime: RuntimeIdentity | None = None
+
+
+def container_mig(
+    allocs: Iterable[MigAllocation], container_index: int
+) -> tuple[MigAllocation, ...]:
+    """The entries of container ``container_index``, in ascending device index."""
+    return tuple(
+        sorted(
+            (a for a in allocs if a.container_index == container_index),
+            key=lambda a: a.device_index,
+        )
+    )
 
 
 def encode_mig_allocations(allocs: tuple[MigAllocation, ...] | list[MigAllocation]) -> str:

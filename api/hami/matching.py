@@ -41,6 +41,7 @@ from api.hami.devices import (
     ContainerDevices,
     MigAllocation,
     PodDevices,
+    container_mig,
     decode_bind_time,
     decode_devices,
     decode_mig_allocations,
@@ -224,7 +225,7 @@ def _mig_profiles(mig: tuple[MigAllocation, ...], ci: int, devices: int) -> list
     """The profile of each device of container ``ci`` when ``mig`` reserves exactly its
     ``devices`` devices and none is realized yet; else None (a pod halfway through its
     allocation, or a reservation the entry does not match, is nobody's twin)."""
-    mine = sorted((a for a in mig if a.container_index == ci), key=lambda a: a.device_index)
+    mine = container_mig(mig, ci)
     if (
         len(mine) != len(mig)
         or [a.device_index for a in mine] != list(range(devices))
