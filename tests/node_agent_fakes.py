@@ -142,6 +142,12 @@ class FakeLister:
         return dict(self.held)
 
 
+NODE = "node-a"
+G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
+SLOTS = [f"{g}-{s}" for g in (G0, G1) for s in range(4)]
+"""A node with two GPUs, and the kubelet-style ids of their four slots each."""
+
+
 def simulated_gpus(*uuids: str, model: str = "A100-PCIE-40GB") -> Iterator[SimulatedNvml]:
     """An initialized in-memory simulated NVML with one GPU of ``model`` per UUID (MIG
     capable where the model is), shut down after (a fixture's body: ``yield from``)."""

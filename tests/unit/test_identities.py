@@ -27,11 +27,18 @@ from node_agent.identities import (
 from node_agent.mig_manager import MigManager
 from node_agent.nvml.simulated import SimulatedNvml
 from tests.fake_kubelet import FakePodResources
-from tests.node_agent_fakes import FakeKube, FakeLister, ScriptedKube, make_pod, simulated_gpus
+from tests.node_agent_fakes import (
+    G0,
+    G1,
+    NODE,
+    SLOTS,
+    FakeKube,
+    FakeLister,
+    ScriptedKube,
+    make_pod,
+    simulated_gpus,
+)
 
-NODE = "node-a"
-G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
-SLOTS = [f"{g}-{s}" for g in (G0, G1) for s in range(4)]
 RESOURCE = "nvidia.com/gpu"
 
 

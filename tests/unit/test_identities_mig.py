@@ -18,6 +18,10 @@ from node_agent.mig_manager import DesiredSet, MigManager, Reservation
 from node_agent.mig_records import desired_from_pods
 from node_agent.nvml.simulated import SimulatedNvml
 from tests.node_agent_fakes import (
+    G0,
+    G1,
+    NODE,
+    SLOTS,
     FakeKube,
     FakeLister,
     ScriptedKube,
@@ -26,9 +30,6 @@ from tests.node_agent_fakes import (
     simulated_gpus,
 )
 
-NODE = "node-a"
-G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
-SLOTS = [f"{g}-{s}" for g in (G0, G1) for s in range(4)]
 RESOURCE = "nvidia.com/gpu"
 A100 = "A100-PCIE-40GB"
 P, Q = "/api/v1/namespaces/default/pods/p", "/api/v1/namespaces/default/pods/q"
