@@ -291,8 +291,12 @@ class MigManager:
         """
         if not allocations:
             return []
+        # What stands in the way on the pod's own GPUs is reclaimed first; the agent's
+        # reconcile loop sees to the node's other GPUs.
         self.reconcile(
-            None if desired is None else desired.with_pod(pod, allocations), reason=desired_reason
+            None if desired is None else desired.with_pod(pod, allocations),
+            reason=desired_reason,
+            gpus={a.gpu_uuid for a in allocations},
         )
         plans = [self._plan(Reservation(pod, a)) for a in allocations]
         steps: list[_Step] = []
@@ -487,8 +491,15 @@ class MigManager:
 
     # -- reconcile --------------------------------------------------------------------
 
-    def reconcile(self, desired: DesiredSet | None, *, reason: str = UNREADABLE) -> ReconcileReport:
-        """Reclaim managed instances nobody desires; adopt desired unmanaged ones."""
+    def reconcile(
+        self,
+        desired: DesiredSet | None,
+        *,
+        reason: str = UNREADABLE,
+        gpus: Set[str] | None = None,
+    ) -> ReconcileReport:
+        """Reclaim managed instances nobody desires; adopt desired unmanaged ones; on the GPUs
+        whose UUIDs are in ``gpus`` only, if given."""
         if desired is None:
             log.warning("mig.reconcile_skipped", node=self._node, reason=reason)
             return ReconcileReport(skipped=True, reason=reason)
@@ -506,10 +517,12 @@ class MigManager:
             wanted.setdefault(key, {})[r.owner] = r.allocation.runtime
             by_gpu.setdefault(key.gpu_index, []).append((key, r))
         with self._state_lock:
-            gpus = sorted({k.gpu_index for k in self._instances} | set(by_gpu))
+            touched = {k.gpu_index for k in self._instances} | set(by_gpu)
+        if gpus is not None:
+            touched &= {indexes[u] for u in gpus if u in indexes}
         tally = _Tally()
         protected = self._protected()
-        for idx in gpus:
+        for idx in sorted(touched):
             with self._gpu_locks_held({idx}):
                 for m in self._managed_on(idx):
                     claims = wanted.get(m.key, {})

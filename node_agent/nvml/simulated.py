@@ -198,6 +198,9 @@ class SimulatedNvml:
         self._gate = SessionGate()
         self._faults: dict[str, deque[BaseException]] = {}
         self._gpus = [self._gpu_from_spec(i, s, node_name, len(gpus)) for i, s in enumerate(gpus)]
+        # Each GPU's part of the state file, kept until an operation changes that GPU: the
+        # kwok node agent persists every MIG operation, and an operation touches one GPU.
+        self._json_of: list[dict[str, Any] | None] = [None] * len(self._gpus)
 
     @staticmethod
     def _gpu_from_spec(index: int, spec: SimulatedGpuSpec, node: str, count: int) -> _Gpu:
@@ -233,17 +236,18 @@ class SimulatedNvml:
                 )
             gpu.processes = {p: g for p, g in gpu.processes.items() if g != gi_id}
             gpu.processes.update(dict.fromkeys(pids, gi_id))
-            self._persist()
+            self._persist(index)
 
     def set_health(self, index: int, healthy: bool) -> None:
         with self._lock:
             self._gpu(index, f"set health of GPU {index}").healthy = healthy
-            self._persist()
+            self._persist(index)
 
     def state_snapshot(self) -> dict[str, Any]:
         """The full simulated state as the JSON document the state file holds."""
         with self._lock:
-            return self._to_json()
+            copy: dict[str, Any] = orjson.loads(orjson.dumps(self._to_json()))
+            return copy  # not the parts kept for the state file
 
     # -- session ----------------------------------------------------------------------
 
@@ -381,7 +385,7 @@ class SimulatedNvml:
                     )
             gi = _Gi(gpu_instance_id(g.model.memory_slices, placement), fact, placement)
             g.gis[gi.id] = gi
-            self._persist()
+            self._persist(index)
             return gi.view()
 
     def create_compute_instance(
@@ -417,7 +421,7 @@ class SimulatedNvml:
             ci_id = next(i for i in range(len(gi.cis) + 1) if i not in gi.cis)
             g.serial += 1
             gi.cis[ci_id] = _Ci(ci_id, ci_profile_index, mig_uuid(g.uuid, gi.id, g.serial))
-            self._persist()
+            self._persist(index)
             return ComputeInstance(ci_id, gi.id, ci_profile_index)
 
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
@@ -428,7 +432,7 @@ class SimulatedNvml:
             self._ci(gi, ci_id, what)
             self._refuse_if_busy(g, gi, what)
             del gi.cis[ci_id]
-            self._persist()
+            self._persist(index)
 
     def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
         what = f"destroy GPU instance {gi_id} on GPU {index}"
@@ -440,7 +444,7 @@ class SimulatedNvml:
                 raise InUse(what, f"compute instance(s) {ids} still exist", code=_IU)
             self._refuse_if_busy(g, gi, what)
             del g.gis[gi_id]
-            self._persist()
+            self._persist(index)
 
     # -- internals --------------------------------------------------------------------
 
@@ -500,34 +504,42 @@ class SimulatedNvml:
     def _to_json(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "gpus": [
-                {
-                    "uuid": g.uuid,
-                    "model": g.model.name,
-                    "numa": g.numa,
-                    "migEnabled": g.mig_enabled,
-                    "healthy": g.healthy,
-                    "serial": g.serial,
-                    "processes": [[pid, owner] for pid, owner in sorted(g.processes.items())],
-                    "gpuInstances": [
-                        {
-                            "id": gi.id,
-                            "profileId": gi.profile.profile_id,
-                            "start": gi.placement.start,
-                            "size": gi.placement.size,
-                            "computeInstances": [
-                                {"id": c.id, "profileIndex": c.profile_index, "migUUID": c.mig_uuid}
-                                for _, c in sorted(gi.cis.items())
-                            ],
-                        }
-                        for _, gi in sorted(g.gis.items())
-                    ],
-                }
-                for g in self._gpus
-            ],
+            "gpus": [self._gpu_json(i) for i in range(len(self._gpus))],
         }
 
-    def _persist(self) -> None:
+    def _gpu_json(self, index: int) -> dict[str, Any]:
+        kept = self._json_of[index]
+        if kept is not None:
+            return kept
+        g = self._gpus[index]
+        fresh = {
+            "uuid": g.uuid,
+            "model": g.model.name,
+            "numa": g.numa,
+            "migEnabled": g.mig_enabled,
+            "healthy": g.healthy,
+            "serial": g.serial,
+            "processes": [[pid, owner] for pid, owner in sorted(g.processes.items())],
+            "gpuInstances": [
+                {
+                    "id": gi.id,
+                    "profileId": gi.profile.profile_id,
+                    "start": gi.placement.start,
+                    "size": gi.placement.size,
+                    "computeInstances": [
+                        {"id": c.id, "profileIndex": c.profile_index, "migUUID": c.mig_uuid}
+                        for _, c in sorted(gi.cis.items())
+                    ],
+                }
+                for _, gi in sorted(g.gis.items())
+            ],
+        }
+        self._json_of[index] = fresh
+        return fresh
+
+    def _persist(self, changed: int) -> None:
+        """Write the state file after an operation changed GPU ``changed`` (lock held)."""
+        self._json_of[changed] = None
         path = self._state_file
         if path is None:
             return
@@ -555,6 +567,7 @@ class SimulatedNvml:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise NvmlError(what, f"unreadable or malformed ({e!r})") from e
         self._gpus = loaded
+        self._json_of = [None] * len(loaded)
 
     @staticmethod
     def _gpu_from_json(cur: _Gpu, item: dict[str, Any], what: str) -> _Gpu:

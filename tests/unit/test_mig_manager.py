@@ -364,6 +364,27 @@ def test_reclaims_the_instance_after_its_pod_ends_ci_then_gi(rig: Rig) -> None:
     assert list(rig.manager.instances()) == [InstanceKey(0, "2g.10gb", 4, 2)]
 
 
+def test_ensure_reclaims_on_the_pods_own_gpus_and_leaves_the_rest_to_reconcile(
+    rig: Rig,
+) -> None:
+    in_the_way = rig.alloc(0, "2g.10gb", 2)
+    elsewhere = rig.alloc(1, "2g.20gb", 0)
+    rig.manager.ensure("ns/gone", [in_the_way], EMPTY)
+    rig.manager.ensure("ns/gone-too", [elsewhere], EMPTY)
+    rig.sim.mutations.clear()
+    # Same placement as the ended pod's: its instance is reclaimed before the new one.
+    rig.manager.ensure("ns/new", [rig.alloc(0, "2g.10gb", 2)], EMPTY)
+    assert [m[0] for m in rig.sim.mutations] == [
+        "destroy_compute_instance",
+        "destroy_gpu_instance",
+        "create_gpu_instance_with_placement",
+        "create_compute_instance",
+    ]
+    assert InstanceKey(1, "2g.20gb", 0, 2) in rig.manager.instances()  # not the pod's GPU
+    report = rig.manager.reconcile(desired(("ns/new", [rig.alloc(0, "2g.10gb", 2)])))
+    assert report.destroyed == (InstanceKey(1, "2g.20gb", 0, 2),)
+
+
 def pod(name: str, allocs: list[MigAllocation], *, phase: str = "Running") -> dict[str, Any]:
     obj = make_pod(name).on(NODE, phase).build()
     obj["metadata"]["annotations"]["hami.io/vgpu-mig-allocations"] = encode_mig_allocations(allocs)

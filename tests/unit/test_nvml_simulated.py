@@ -371,6 +371,42 @@ def test_state_file_lets_a_restarted_agent_find_its_instances(tmp_path: Path) ->
     second.shutdown()
 
 
+def test_state_file_follows_every_operation_on_either_gpu(tmp_path: Path) -> None:
+    """Each GPU's part of the file is kept between writes: an operation on one GPU must
+    rewrite that part and keep the other's."""
+    state = tmp_path / "nvml.json"
+    sim = make_sim(A100, A100, state_file=state)
+    fact = find_model(A100).profile("1g.5gb")
+    assert fact is not None
+    ci_profile = full_compute_instance_profile(fact.slice_count)
+
+    def gi(index: int, start: int) -> int:
+        placement = Placement(start, fact.placement_size)
+        return sim.create_gpu_instance_with_placement(index, fact.profile_id, placement).id
+
+    ops = [
+        lambda: gi(0, 0),
+        lambda: gi(1, 3),
+        lambda: sim.create_compute_instance(0, sim.gpu_instances(0)[0].id, ci_profile),
+        lambda: sim.create_compute_instance(1, sim.gpu_instances(1)[0].id, ci_profile),
+        lambda: sim.set_processes(1, [9]),
+        lambda: sim.set_health(0, False),
+        lambda: sim.destroy_compute_instance(0, sim.gpu_instances(0)[0].id, 0),
+        lambda: sim.destroy_gpu_instance(0, sim.gpu_instances(0)[0].id),
+        lambda: gi(0, 6),
+    ]
+    for op in ops:
+        op()
+        reloaded = make_sim(A100, A100, state_file=state)
+        assert json.loads(state.read_text()) == sim.state_snapshot() == reloaded.state_snapshot()
+        for index in (0, 1):
+            assert reloaded.device(index) == sim.device(index)
+            assert reloaded.gpu_instances(index) == sim.gpu_instances(index)
+            assert reloaded.running_processes(index) == sim.running_processes(index)
+        reloaded.shutdown()
+    assert [p.name for p in tmp_path.iterdir()] == ["nvml.json"]  # no temporary file left
+
+
 def test_state_file_of_another_configuration_is_refused(tmp_path: Path) -> None:
     state = tmp_path / "nvml.json"
     make_sim(A100, state_file=state).set_health(0, True)
