@@ -510,7 +510,10 @@ class MigManager:
             return ReconcileReport(skipped=True, reason=f"cannot list GPUs: {e}")
         wanted: dict[InstanceKey, dict[Owner, RuntimeIdentity | None]] = {}
         by_gpu: dict[int, list[tuple[InstanceKey, Reservation]]] = {}
-        for r in desired.reservations:
+        reservations = desired.reservations
+        if gpus is not None:
+            reservations = tuple(r for r in reservations if r.allocation.gpu_uuid in gpus)
+        for r in reservations:
             key = self._key_of(r, indexes)
             if key is None:
                 continue
