@@ -142,7 +142,8 @@ class PodIndex:
         # key -> the last few versions' uid and annotations: what a writer read may be a
         # step behind the newest.
         self._history: dict[str, OrderedDict[str, Mapping[str, Any]]] = {}
-        self.echoes = 0  # watch events ``holds`` kept from being decoded
+        self.echoes = 0  # watch events ``holds`` kept from being decoded: own writes
+        self.settled = 0  # ... and versions of pods done allocating that do not end them
 
     def offer(self, pod: Mapping[str, Any]) -> bool:
         """Keep ``pod`` unless a newer version (or its deletion) is already known."""
@@ -209,11 +210,15 @@ class PodIndex:
             return self._pods.get(key)
 
     def holds(self, line: bytes) -> bool:
-        """Whether a raw watch event is a pod's MODIFIED version this index already holds
-        (or an older one, or one older than the pod's deletion): ``offer`` would ignore it,
-        so it need not be decoded. In practice the echo of this process's own patch, whose
-        answer went into the index first and whose writer goes on from it. Counted in
-        ``echoes``."""
+        """Whether a raw watch event need not be decoded: a pod's MODIFIED version this
+        index already holds (or an older one, or one older than the pod's deletion), which
+        ``offer`` would ignore: in practice the echo of this process's own patch, whose
+        answer went into the index first and whose writer goes on from it (counted in
+        ``echoes``); or a newer version of a pod its agent is done with that neither ends
+        nor deletes it: kwok's status writes marking an allocated pod running (counted in
+        ``settled``). The index keeps the version it has then: what the agents read of a
+        pod done allocating (its node, annotations, phase) changes only when it ends, and
+        what it has is newer than anything this process wrote to it."""
         head = modified_pod_head(line)
         if head is None:
             return False
@@ -221,9 +226,14 @@ class PodIndex:
         with self._lock:
             pod = self._pods.get(key)
             held = _version(pod) if pod is not None else self._deleted_at.get(key)
-            if held is None or version > held:
+            if held is None:
                 return False
-            self.echoes += 1
+            if version <= held:
+                self.echoes += 1
+                return True
+            if pod is None or not _allocated(pod) or _may_end(line):
+                return False
+            self.settled += 1
             return True
 
     def metadata_at(self, key: str, resource_version: str) -> Mapping[str, Any] | None:
@@ -726,7 +736,12 @@ class KwokAgents:
             nodes = [n for n in self._nodes.values() if n is not None]
         for node in nodes:
             node.backend.shutdown()
-        log.info("kwok.node_agents_stopped", nodes=len(nodes), echoes_not_decoded=self.pods.echoes)
+        log.info(
+            "kwok.node_agents_stopped",
+            nodes=len(nodes),
+            echoes_not_decoded=self.pods.echoes,
+            settled_not_decoded=self.pods.settled,
+        )
 
     def __enter__(self) -> KwokAgents:
         self.start()
@@ -821,6 +836,21 @@ def _pod_work(
     if annotations_of(pod).get(BIND_PHASE) == "allocating" and _has_pending(pod):
         return "allocate"
     return None
+
+
+def _allocated(pod: Mapping[str, Any]) -> bool:
+    """Its agent allocated every container: nothing left to do until the pod ends."""
+    return annotations_of(pod).get(BIND_PHASE) == "success" and not _has_pending(pod)
+
+
+# Raw bytes of a pod event that may end the pod (or move it out of its phase): unescaped,
+# so a string value that merely contains them (escaped quotes) never matches; a version
+# that has one is decoded.
+_ENDING: Final = (b'"deletionTimestamp"', b'"phase":"Succeeded"', b'"phase":"Failed"')
+
+
+def _may_end(line: bytes) -> bool:
+    return any(mark in line for mark in _ENDING)
 
 
 def _has_pending(pod: Mapping[str, Any]) -> bool:

@@ -52,6 +52,41 @@ def test_index_holds_the_versions_it_has_or_older_and_counts_what_it_spares() ->
     assert idx.echoes == 3
 
 
+@pytest.mark.parametrize(
+    ("held_annotations", "status", "deleting", "skipped"),
+    [
+        # kwok marking an allocated pod running: nothing the agent reads changes
+        ({BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"}, {"phase": "Running"}, False, True),
+        # ... but its end must reach the agent (it reclaims MIG instances)
+        ({BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"}, {"phase": "Succeeded"}, False, False),
+        ({BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"}, {"phase": "Failed"}, False, False),
+        ({BIND_PHASE: "success", DEVICES_TO_ALLOCATE: ";"}, {"phase": "Running"}, True, False),
+        # a pod with work left, or whose allocation failed, is always decoded
+        (
+            {BIND_PHASE: "allocating", DEVICES_TO_ALLOCATE: "GPU-1,NVIDIA,1000,10:;"},
+            {},
+            False,
+            False,
+        ),
+        ({BIND_PHASE: "success", DEVICES_TO_ALLOCATE: "GPU-1,NVIDIA,1000,10:;"}, {}, False, False),
+        ({BIND_PHASE: "failed"}, {"phase": "Running"}, False, False),
+    ],
+)
+def test_index_spares_newer_versions_of_a_pod_done_allocating_unless_they_may_end_it(
+    held_annotations: dict[str, str], status: dict[str, str], deleting: bool, skipped: bool
+) -> None:
+    idx = PodIndex()
+    idx.offer(pod("a", 5, **held_annotations))
+    newer = pod("a", 6, **held_annotations)
+    newer["status"] = status
+    if deleting:
+        newer["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert idx.holds(modified(newer)) is skipped
+    assert (idx.settled, idx.echoes) == (int(skipped), 0)
+    held = idx.get("ns/a")
+    assert held is not None and held["metadata"]["resourceVersion"] == "5"  # kept as it was
+
+
 def test_index_keeps_the_newest_version_whatever_the_arrival_order() -> None:
     idx = PodIndex()
     assert idx.offer(pod("a", 5, phase="x"))
