@@ -64,7 +64,7 @@ from node_agent.mig_manager import MigManager
 from node_agent.mig_records import container_reservations, desired_from_pods, with_runtime
 from node_agent.mps.backend import CONTAINER_PIPE_ROOT
 from node_agent.mps.manager import MpsDaemons
-from node_agent.nvml.backend import DeviceInfo, NvmlBackend
+from node_agent.nvml.backend import NvmlBackend
 from node_agent.pod_matching import match_pod, preferred_gpus, requested_gpus
 
 log = structlog.get_logger(__name__)
@@ -138,6 +138,7 @@ class Allocator:
         self._log_level = node.lib_cuda_log_level or config.lib_cuda_log_level
         self._host_hook = host_hook_dir.rstrip("/")
         self._cache_name = cache_name
+        self._memory_of: dict[str, int] | None = None  # GPU UUID -> MiB, read once
 
     # AllocateHandler ------------------------------------------------------------------------
 
@@ -325,11 +326,20 @@ class Allocator:
             )
         return containers[ci]  # type: ignore[no-any-return]
 
+    def _gpu_memory(self) -> dict[str, int]:
+        """Each GPU's memory by UUID: what NVML says once (the node's GPUs and their sizes do
+        not change while the agent runs; the MIG manager keeps its UUIDs the same way)."""
+        known = self._memory_of
+        if known is None:
+            known = {}
+            for i in range(self._backend.device_count()):
+                info = self._backend.device(i)
+                known[info.uuid] = info.memory_mib
+            self._memory_of = known
+        return known
+
     def _check_devices(self, key: str, ci: int, entry: ContainerDevices) -> None:
-        gpus: dict[str, DeviceInfo] = {}
-        for i in range(self._backend.device_count()):
-            info = self._backend.device(i)
-            gpus[info.uuid] = info
+        gpus = self._gpu_memory()
         for d in entry:
             if d.legacy is not None:
                 raise AllocationRefusedError(
@@ -337,13 +347,13 @@ class Allocator:
                     f"<= v2.9 layouts, which Tessera does not create; delete the pod so it is "
                     f"scheduled again with a reserved MIG placement"
                 )
-            dev = gpus.get(d.uuid)
-            if dev is None:
+            memory_mib = gpus.get(d.uuid)
+            if memory_mib is None:
                 raise AllocationRefusedError(
                     f"pod {key} container {ci}: GPU {d.uuid} is not on node {self.node_name}"
                 )
             scaled = self._mode in ("hami-core", "mps")  # as registered (discovery)
-            limit = int(dev.memory_mib * (self._scaling if scaled else 1.0))
+            limit = int(memory_mib * (self._scaling if scaled else 1.0))
             if d.mem > limit:
                 raise AllocationRefusedError(
                     f"pod {key} container {ci}: {d.mem} MiB asked on GPU {d.uuid}, "

@@ -336,7 +336,7 @@ class KubeClient:
         headers = self._headers(accept)
         payload: bytes | None = None
         if body is not None:
-            payload = json.dumps(body, separators=(",", ":")).encode()
+            payload = orjson.dumps(body)  # compact; a tenth of the stdlib's time
             headers["Content-Type"] = content_type
         status, data = self._send_authorized(method, full, payload, headers)
         if status >= 400:
