@@ -843,10 +843,13 @@ def _allocated(pod: Mapping[str, Any]) -> bool:
     return annotations_of(pod).get(BIND_PHASE) == "success" and not _has_pending(pod)
 
 
-# Raw bytes of a pod event that may end the pod (or move it out of its phase): unescaped,
-# so a string value that merely contains them (escaped quotes) never matches; a version
-# that has one is decoded.
-_ENDING: Final = (b'"deletionTimestamp"', b'"phase":"Succeeded"', b'"phase":"Failed"')
+# Raw bytes of a pod event that may end the pod (``_ended``: deleting, or a terminal
+# phase): unescaped, so a string value that merely contains them (escaped quotes) never
+# matches; a version that has one is decoded.
+_ENDING: Final = (
+    b'"deletionTimestamp"',
+    *(b'"phase":"%s"' % phase.encode() for phase in TERMINAL_PHASES),
+)
 
 
 def _may_end(line: bytes) -> bool:
