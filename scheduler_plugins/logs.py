@@ -10,11 +10,13 @@ active at the call, so a log line of the plugin server finds its trace in Jaeger
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import MutableMapping
 from typing import Any, Final, Literal, TextIO, get_args
 
+import orjson
 import structlog
 from opentelemetry import trace
 from structlog.typing import Processor
@@ -48,6 +50,20 @@ def add_trace_context(
     return event_dict
 
 
+def _dumps(event: Any, **kw: Any) -> str:
+    """A JSON log line with orjson (a fifth of the stdlib's time; a node agent writes a
+    line or two per pod): members in the order logged, what it cannot encode by ``default``
+    (structlog's: the repr). A line that is not plain ASCII, or that orjson refuses (an
+    integer beyond 64 bits), goes through the stdlib encoder: escaped, it stays one line in
+    any encoding (orjson leaves U+2028 as it is)."""
+    default = kw.get("default")
+    try:
+        line = orjson.dumps(event, default=default, option=orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:
+        return json.dumps(event, default=default)
+    return line.decode() if line.isascii() else json.dumps(event, default=default)
+
+
 def processors(fmt: LogFormat) -> list[Processor]:
     """The processor chain of ``fmt``, renderer last."""
     chain: list[Processor] = [
@@ -61,7 +77,7 @@ def processors(fmt: LogFormat) -> list[Processor]:
         return [
             *chain,
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(sort_keys=False),
+            structlog.processors.JSONRenderer(serializer=_dumps),
         ]
     return [*chain, structlog.dev.ConsoleRenderer(colors=False)]
 

@@ -88,6 +88,31 @@ def test_json_line_renders_an_exception() -> None:
     assert "RuntimeError: boom" in line["exception"]
 
 
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
+@pytest.mark.parametrize(
+    ("value", "logged"),
+    [
+        ("GPU-1", "GPU-1"),  # plain values as they are
+        (("a", 1), ["a", 1]),
+        ({0: "x"}, {"0": "x"}),  # a key that is not a string
+        (_Opaque(), "<opaque>"),  # what JSON cannot hold: its repr
+        (2**70, 2**70),  # beyond 64 bits: still the number
+        ("é\u2028", "é\u2028"),
+    ],
+)
+def test_json_line_holds_any_value(value: Any, logged: Any) -> None:
+    out = io.StringIO()
+    _logger("json", out).info("allocated", pod="default/p", detail=value)
+    (line,) = out.getvalue().splitlines()
+    got = json.loads(line)
+    assert (got["event"], got["pod"], got["detail"]) == ("allocated", "default/p", logged)
+    assert list(got)[:3] == ["pod", "detail", "event"]  # as structlog orders them, not sorted
+
+
 def test_console_format_is_one_plain_line(tracer: Any) -> None:
     out = io.StringIO()
     with tracer.start_as_current_span("reserve"):
