@@ -35,12 +35,12 @@ queues no look at all.
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -142,6 +142,11 @@ class PodIndex:
         # key -> the last few versions' uid and annotations: what a writer read may be a
         # step behind the newest.
         self._history: dict[str, OrderedDict[str, Mapping[str, Any]]] = {}
+        # node -> the count of pod changes at its last one (``changed_at``); a fresh list
+        # moves every node to ``_listed_at``.
+        self._changes = 0
+        self._changed: dict[str, int] = {}
+        self._listed_at = 0
         self.echoes = 0  # watch events ``holds`` kept from being decoded: own writes
         self.settled = 0  # ... and versions of pods done allocating that do not end them
 
@@ -170,6 +175,7 @@ class PodIndex:
             node = _node_of(item)
             if node:
                 self._by_node.setdefault(node, {})[key] = item
+                self._changed_on(node)
             return True
 
     def delete(self, pod: Mapping[str, Any]) -> None:
@@ -204,6 +210,8 @@ class PodIndex:
                     fresh._history[key] = merged
             self._pods, self._by_node = fresh._pods, fresh._by_node
             self._deleted_at, self._history = {}, fresh._history
+            self._changes += 1
+            self._listed_at, self._changed = self._changes, {}
 
     def get(self, key: str) -> Obj | None:
         with self._lock:
@@ -247,14 +255,28 @@ class PodIndex:
         with self._lock:
             return list(self._by_node.get(node, {}).values())
 
+    def changed_at(self, node: str) -> int:
+        """A mark that moves whenever a pod on ``node`` changes (comes, goes, or is
+        replaced by a newer version) or a fresh list replaces the index: equal marks, the
+        same pods."""
+        with self._lock:
+            return max(self._changed.get(node, 0), self._listed_at)
+
+    def _changed_on(self, node: str) -> None:
+        self._changes += 1
+        self._changed[node] = self._changes
+
     def _drop(self, key: str) -> None:
         old = self._pods.pop(key, None)
         if old is not None:
-            pods = self._by_node.get(_node_of(old))
+            node = _node_of(old)
+            pods = self._by_node.get(node)
             if pods is not None:
                 pods.pop(key, None)
                 if not pods:
-                    self._by_node.pop(_node_of(old), None)
+                    self._by_node.pop(node, None)
+            if node:
+                self._changed_on(node)
 
 
 class IndexedPodApi:
@@ -364,16 +386,22 @@ class BoundPods:
 
 
 class NodeQueues:
-    """Items queued per node, run by ``handler`` on a thread pool: one node's items in order
-    and one at a time, different nodes in parallel. An item already waiting is not queued
-    twice (the handler reads the newest state when it runs)."""
+    """Items queued per node, run by ``handler`` on ``workers`` threads: one node's items in
+    order and one at a time, different nodes in parallel. An item already waiting is not
+    queued twice (the handler reads the newest state when it runs).
+
+    A node with items goes on one shared queue of nodes once, until its items run out; the
+    threads take nodes from it. (A thread pool's future per submission cost the periodic
+    pass, a submission per MIG node, more than the reconcile it queued.)"""
 
     def __init__(self, handler: Callable[[str, str], None], *, workers: int) -> None:
         self._handler = handler
+        self._workers = max(1, workers)
         self._lock = threading.Lock()
         self._pending: dict[str, OrderedDict[str, None]] = {}
         self._running: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kwok")
+        self._ready: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
         self._closed = False
 
     def submit(self, node: str, item: str) -> None:
@@ -384,17 +412,28 @@ class NodeQueues:
             if node in self._running:
                 return
             self._running.add(node)
-        self._pool.submit(self._drain, node)
+            if not self._threads:  # started at the first item, as a pool starts its threads
+                self._threads = [
+                    threading.Thread(target=self._serve, name=f"kwok-{i}", daemon=True)
+                    for i in range(self._workers)
+                ]
+                for t in self._threads:
+                    t.start()
+        self._ready.put(node)
+
+    def _serve(self) -> None:
+        while (node := self._ready.get()) is not None:
+            self._drain(node)
 
     def _drain(self, node: str) -> None:
         while True:
             with self._lock:
-                queue = self._pending.get(node)
-                if not queue or self._closed:
+                items = self._pending.get(node)
+                if not items or self._closed:
                     self._pending.pop(node, None)
                     self._running.discard(node)
                     return
-                item, _ = queue.popitem(last=False)
+                item, _ = items.popitem(last=False)
             try:
                 self._handler(node, item)
             except Exception as e:  # one bad item must not stop the node's queue
@@ -405,9 +444,14 @@ class NodeQueues:
             return not self._running
 
     def close(self) -> None:
+        """Items not started are dropped; an item running finishes first."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._ready.put(None)
+        for t in threads:
+            t.join()
 
 
 # The agents ------------------------------------------------------------------------------------
@@ -425,6 +469,9 @@ class FakeNode:
     mps_gpus: tuple[str, ...] = ()
     # GPU -> health as the node's register annotation says it (what the scheduler sees).
     published: dict[str, bool] = field(default_factory=dict)
+    # What the last reconcile that found nothing to do read: the node's pods' mark, the
+    # simulated GPUs' and the manager's change counts (``KwokAgents.reconcile``).
+    settled_at: tuple[int, int, int] | None = None
 
 
 class KwokAgents:
@@ -583,8 +630,18 @@ class KwokAgents:
                 return
 
     def reconcile(self, node: FakeNode) -> None:
+        """Reconcile the node's MIG instances with its pods; skipped when what it reads (the
+        node's pods, its simulated GPUs, the manager's records) has not changed since one
+        that found nothing to do, which this one would repeat: the periodic pass then
+        costs three counts per node, not a look at each of its GPUs. A simulated GPU
+        changes only through its backend, which counts; a real node's agent, whose GPUs can
+        change behind its back, reconciles every time."""
+        seen = (self.pods.changed_at(node.name), node.backend.changes, node.mig.changes)
+        if seen == node.settled_at:
+            return
         read = desired_from_pods(self.pods.on_node(node.name), node_name=node.name)
-        node.mig.reconcile(read.desired, reason=read.reason)
+        report = node.mig.reconcile(read.desired, reason=read.reason)
+        node.settled_at = seen if report.settled else None
 
     def check_mps(self, node: FakeNode) -> None:
         """One check of the node's MPS daemons (restarting those down), then the register

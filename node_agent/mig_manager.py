@@ -164,6 +164,21 @@ class ReconcileReport:
     mismatched: tuple[Problem, ...] = ()  # recorded identity does not match NVML
     held: tuple[InstanceKey, ...] = ()  # handed out, holder not known yet: kept (``protect``)
 
+    @property
+    def settled(self) -> bool:
+        """Nothing done and nothing left to retry: run again over the same pods, GPUs and
+        records, reconcile would find nothing to do."""
+        return not (
+            self.skipped
+            or self.destroyed
+            or self.adopted
+            or self.in_use
+            or self.failed
+            or self.vanished
+            or self.mismatched
+            or self.held
+        )
+
 
 @dataclass(frozen=True)
 class AdoptReport:
@@ -256,6 +271,7 @@ class MigManager:
         self._state_lock = threading.Lock()
         self._gpu_locks: dict[int, threading.Lock] = {}
         self._instances: dict[InstanceKey, ManagedInstance] = {}
+        self._changes = 0  # how often the records above changed
         self._gpu_index_by_uuid: dict[str, int] | None = None
         # Per GPU index, the MIG profiles NVML resolves: fixed while the GPU's MIG mode is
         # (the agent never changes it), so read once, like the UUIDs above. A GPU that
@@ -269,6 +285,13 @@ class MigManager:
         the kubelet yet (``IdentityFixer.protected``), so the pod recorded may not be the one
         running on it."""
         self._protected = held
+
+    @property
+    def changes(self) -> int:
+        """How often the managed instances' records changed (a count, to tell whether they
+        did since an earlier look)."""
+        with self._state_lock:
+            return self._changes
 
     def instances(self) -> dict[InstanceKey, ManagedInstance]:
         """A snapshot of the managed instances."""
@@ -816,10 +839,12 @@ class MigManager:
     def _record(self, m: ManagedInstance) -> None:
         with self._state_lock:
             self._instances[m.key] = m
+            self._changes += 1
 
     def _forget(self, key: InstanceKey) -> None:
         with self._state_lock:
-            self._instances.pop(key, None)
+            if self._instances.pop(key, None) is not None:
+                self._changes += 1
 
     @contextmanager
     def _gpu_locks_held(self, indexes: Set[int]) -> Iterator[None]:

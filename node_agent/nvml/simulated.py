@@ -201,6 +201,15 @@ class SimulatedNvml:
         # Each GPU's part of the state file, kept until an operation changes that GPU: the
         # kwok node agent persists every MIG operation, and an operation touches one GPU.
         self._json_of: list[bytes | None] = [None] * len(self._gpus)
+        self._changes = 0  # operations that changed a GPU, state files loaded
+
+    @property
+    def changes(self) -> int:
+        """How often the simulated hardware changed (a count, to tell whether it did since
+        an earlier look): every operation that changed a GPU, every state file loaded. A
+        simulated GPU changes only through this object."""
+        with self._lock:
+            return self._changes
 
     @staticmethod
     def _gpu_from_spec(index: int, spec: SimulatedGpuSpec, node: str, count: int) -> _Gpu:
@@ -541,6 +550,7 @@ class SimulatedNvml:
 
     def _persist(self, changed: int) -> None:
         """Write the state file after an operation changed GPU ``changed`` (lock held)."""
+        self._changes += 1
         self._json_of[changed] = None
         if self._state_file is not None:
             write_atomically(self._state_file, self._state_bytes())
@@ -566,6 +576,7 @@ class SimulatedNvml:
             raise NvmlError(what, f"unreadable or malformed ({e!r})") from e
         self._gpus = loaded
         self._json_of = [None] * len(loaded)
+        self._changes += 1
 
     @staticmethod
     def _gpu_from_json(cur: _Gpu, item: dict[str, Any], what: str) -> _Gpu:

@@ -301,6 +301,31 @@ def test_a_failing_item_does_not_stop_the_queue() -> None:
         q.close()
 
 
+def test_close_lets_the_running_item_finish_and_drops_the_rest() -> None:
+    calls: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def handler(node: str, item: str) -> None:
+        calls.append(item)
+        if item == "busy":
+            started.set()
+            release.wait(5)
+
+    q = NodeQueues(handler, workers=2)
+    q.submit("n", "busy")
+    assert started.wait(5)
+    q.submit("n", "waiting")
+    workers = list(q._threads)
+    closing = threading.Thread(target=q.close)
+    closing.start()
+    release.set()
+    closing.join(5)
+    assert not closing.is_alive()
+    q.submit("n", "after")  # a closed queue takes nothing
+    assert calls == ["busy"]
+    assert len(workers) == 2 and not any(t.is_alive() for t in workers)  # its threads are gone
+
+
 # Which events wake a node's worker ---------------------------------------------------------------
 
 
