@@ -183,6 +183,8 @@ class Cluster:
                 stopped.extend(f"stray pid {p}" for p in strays)
         if purge and s.state_dir.is_dir():
             shutil.rmtree(s.state_dir)
+        if purge and s.memory_dir.is_dir() and not s.memory_dir.is_symlink():
+            shutil.rmtree(s.memory_dir)
         log.info("cluster.down", cluster=s.name, stopped=stopped, purged=purge)
         return stopped
 

@@ -6,9 +6,11 @@ Defaults live here and nowhere else. A cluster's settings are saved in its state
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -28,6 +30,8 @@ SERVICE_IP: Final = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernete
 GANG_FEATURE_GATES: Final = "GenericWorkload=true,GangScheduling=true"
 GANG_API: Final = PODGROUP_API
 
+# Memory-backed storage (tmpfs) on Linux: what a machine keeps until it restarts.
+SHM_DIR: Final = Path("/dev/shm")
 _NAME_RE: Final = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _SETTINGS_FILE: Final = "cluster.json"
 
@@ -48,6 +52,26 @@ def repo_root() -> Path:
         f"cannot find the Tessera checkout above {here} (no hack/build-tools.sh): the dev "
         "cluster runs from a source checkout; run it from there"
     )
+
+
+def private_dir(path: Path) -> Path:
+    """Make ``path`` (its parent must exist) open to this user only, or check that the one
+    there is: a directory, not a link, this user's, closed to others. A shared directory
+    such as /dev/shm lets anyone create the name first. Raises ``ClusterError``."""
+    try:
+        path.mkdir(mode=0o700)
+        return path
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ClusterError(f"cannot create {path}: {e.strerror or e}") from e
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ClusterError(
+            f"{path} exists but is not a private directory of this user (a link, a file, "
+            "another user's, or open to others): remove it and start again"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,18 @@ class ClusterSettings:
     @property
     def etcd_data_dir(self) -> Path:
         return self.state_dir / "etcd"
+
+    @property
+    def memory_dir(self) -> Path:
+        """State the cluster keeps in memory: its simulated GPUs' (MIG instances, MPS
+        daemons), which outlives a node agent's restart, as a real GPU's does, and not the
+        machine's. A directory on /dev/shm named for this user and state dir (``private_dir``
+        makes it); the state dir's ``memory/`` where there is no /dev/shm. (On disk, the kwok
+        node agent's state file rewrites, two per MIG pod, cost 0.15 of its 1.2 ms per pod.)"""
+        if not SHM_DIR.is_dir():
+            return self.state_dir / "memory"
+        digest = hashlib.sha256(str(self.state_dir.absolute()).encode()).hexdigest()[:16]
+        return SHM_DIR / f"tessera-{os.getuid()}-{digest}"
 
     @property
     def run_dir(self) -> Path:

@@ -31,6 +31,7 @@ from scheduler_plugins.devtools.cluster.layout import (
     GANG_FEATURE_GATES,
     LOOPBACK,
     ClusterSettings,
+    private_dir,
     repo_root,
 )
 from scheduler_plugins.devtools.cluster.webhook import WEBHOOK, start_webhook, stop_webhook
@@ -58,7 +59,7 @@ class StackPaths:
         return StackPaths(
             socket=s.run_dir / "tessera" / "plugin.sock",
             scheduler_config=s.state_dir / "scheduler-config.yaml",
-            agent_state=s.state_dir / "node-agent",
+            agent_state=s.memory_dir / "node-agent",
             metrics_address=s.state_dir / "plugin-server-metrics-address",
             scheduler_address=s.state_dir / "scheduler-address",
             scheduler_certs=s.state_dir / "scheduler-certs",
@@ -137,7 +138,8 @@ def start_stack(
     if not scheduler_bin.is_file():
         raise ClusterError(f"{scheduler_bin} is missing: run `make tools` first")
     paths.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    paths.agent_state.mkdir(parents=True, exist_ok=True)
+    private_dir(s.memory_dir)
+    paths.agent_state.mkdir(exist_ok=True)
     record_loopback_address(paths.metrics_address)
     record_loopback_address(paths.scheduler_address)
     _write_scheduler_config(paths.scheduler_config, s.kubeconfig, paths.socket, tessera_args)

@@ -1,0 +1,64 @@
+"""Where a dev cluster keeps what lives in memory: a private directory per state dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from scheduler_plugins.devtools.cluster import layout
+from scheduler_plugins.devtools.cluster.errors import ClusterError
+from scheduler_plugins.devtools.cluster.layout import ClusterSettings, private_dir
+
+
+def test_memory_dir_is_on_shm_one_per_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(layout, "SHM_DIR", shm)
+    a = ClusterSettings(name="t", state_dir_override=tmp_path / "a")
+    b = ClusterSettings(name="t", state_dir_override=tmp_path / "b")
+    assert a.memory_dir.parent == shm and b.memory_dir.parent == shm
+    assert a.memory_dir != b.memory_dir  # same name, other state dir: never shared
+    assert a.memory_dir == ClusterSettings(name="t", state_dir_override=tmp_path / "a").memory_dir
+    assert a.memory_dir.name.startswith(f"tessera-{os.getuid()}-")
+
+
+def test_without_shm_memory_dir_is_in_the_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layout, "SHM_DIR", tmp_path / "absent")
+    s = ClusterSettings(name="t", state_dir_override=tmp_path / "state")
+    assert s.memory_dir == tmp_path / "state" / "memory"
+
+
+def test_private_dir_is_made_for_this_user_only(tmp_path: Path) -> None:
+    made = private_dir(tmp_path / "m")
+    assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700
+    assert private_dir(made) == made  # a second start takes its own directory again
+
+
+@pytest.mark.parametrize("planted", ["link", "file", "open"])
+def test_private_dir_refuses_what_someone_else_could_have_planted(
+    tmp_path: Path, planted: str
+) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    path = tmp_path / "m"
+    if planted == "link":
+        path.symlink_to(target)
+    elif planted == "file":
+        path.write_text("x")
+    else:
+        path.mkdir(mode=0o700)
+        path.chmod(0o777)
+    with pytest.raises(ClusterError, match="not a private directory of this user"):
+        private_dir(path)
+    assert list(target.iterdir()) == []  # nothing written through the link
+
+
+def test_private_dir_names_a_missing_parent(tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match="cannot create"):
+        private_dir(tmp_path / "no" / "m")
