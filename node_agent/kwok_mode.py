@@ -636,12 +636,16 @@ class KwokAgents:
         costs three counts per node, not a look at each of its GPUs. A simulated GPU
         changes only through its backend, which counts; a real node's agent, whose GPUs can
         change behind its back, reconciles every time."""
-        seen = (self.pods.changed_at(node.name), node.backend.changes, node.mig.changes)
+        seen = self._marks(node)
         if seen == node.settled_at:
             return
         read = desired_from_pods(self.pods.on_node(node.name), node_name=node.name)
         report = node.mig.reconcile(read.desired, reason=read.reason)
         node.settled_at = seen if report.settled else None
+
+    def _marks(self, node: FakeNode) -> tuple[int, int, int]:
+        """What a reconcile of ``node`` reads, as marks that move when it changes."""
+        return (self.pods.changed_at(node.name), node.backend.changes, node.mig.changes)
 
     def check_mps(self, node: FakeNode) -> None:
         """One check of the node's MPS daemons (restarting those down), then the register
@@ -729,11 +733,13 @@ class KwokAgents:
 
     def pass_all(self) -> None:
         """Queue a reconcile of every fake node with MIG GPUs known so far (the periodic
-        pass)."""
+        pass), but for those a reconcile would skip (``reconcile``): looked at here, they
+        cost no worker a wake-up."""
         with self._lock:
-            nodes = [n.name for n in self._nodes.values() if n is not None and n.has_mig]
-        for name in nodes:
-            self._queues.submit(name, _RECONCILE)
+            nodes = [n for n in self._nodes.values() if n is not None and n.has_mig]
+        for node in nodes:
+            if self._marks(node) != node.settled_at:
+                self._queues.submit(node.name, _RECONCILE)
 
     def mps_pass(self) -> None:
         """Queue a check of every fake mps node's daemons known so far (the periodic pass)."""

@@ -83,6 +83,21 @@ def test_a_reconcile_over_what_a_settled_one_read_is_skipped(rig: Rig) -> None:
     assert rig.runs() == 1  # another node's pod
 
 
+def test_the_periodic_pass_queues_only_nodes_a_reconcile_would_not_skip(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queued: list[str] = []
+    monkeypatch.setattr(rig.agents._queues, "submit", lambda node, item: queued.append(node))
+    rig.agents.pass_all()
+    assert queued == [NODE]  # never reconciled yet
+    rig.runs()
+    rig.agents.pass_all()
+    assert queued == [NODE]  # settled: no worker woken
+    rig.agents.pods.offer(a_pod("p", 2))
+    rig.agents.pass_all()
+    assert queued == [NODE, NODE]
+
+
 @pytest.mark.parametrize(
     "change",
     [
