@@ -261,16 +261,24 @@ def test_one_node_runs_in_order_nodes_run_in_parallel() -> None:
     assert ("n2", "first") in seen
 
 
-def test_an_item_waiting_is_not_queued_twice() -> None:
-    calls: list[str] = []
-    started, release = threading.Event(), threading.Event()
+class _Recorder:
+    """A queue handler that records the items it runs and holds the item "busy" until
+    ``release`` is set (``started`` tells it is running)."""
 
-    def handler(node: str, item: str) -> None:
-        calls.append(item)
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, node: str, item: str) -> None:
+        self.calls.append(item)
         if item == "busy":
-            started.set()
-            release.wait(5)
+            self.started.set()
+            self.release.wait(5)
 
+
+def test_an_item_waiting_is_not_queued_twice() -> None:
+    handler = _Recorder()
+    calls, started, release = handler.calls, handler.started, handler.release
     q = NodeQueues(handler, workers=1)
     try:
         q.submit("n", "busy")
@@ -302,15 +310,8 @@ def test_a_failing_item_does_not_stop_the_queue() -> None:
 
 
 def test_close_lets_the_running_item_finish_and_drops_the_rest() -> None:
-    calls: list[str] = []
-    started, release = threading.Event(), threading.Event()
-
-    def handler(node: str, item: str) -> None:
-        calls.append(item)
-        if item == "busy":
-            started.set()
-            release.wait(5)
-
+    handler = _Recorder()
+    calls, started, release = handler.calls, handler.started, handler.release
     q = NodeQueues(handler, workers=2)
     q.submit("n", "busy")
     assert started.wait(5)
