@@ -26,10 +26,15 @@ def test_memory_dir_is_on_shm_one_per_state_dir(
     assert a.memory_dir.name.startswith(f"tessera-{os.getuid()}-")
 
 
-def test_without_shm_memory_dir_is_in_the_state_dir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("shm", ["absent", "read-only"])
+def test_without_a_usable_shm_memory_dir_is_in_the_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shm: str
 ) -> None:
-    monkeypatch.setattr(layout, "SHM_DIR", tmp_path / "absent")
+    there = tmp_path / "shm"
+    if shm == "read-only":
+        there.mkdir()
+        monkeypatch.setattr(layout.os, "access", lambda path, mode: Path(path) != there)
+    monkeypatch.setattr(layout, "SHM_DIR", there)
     s = ClusterSettings(name="t", state_dir_override=tmp_path / "state")
     assert s.memory_dir == tmp_path / "state" / "memory"
 

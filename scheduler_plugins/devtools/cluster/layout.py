@@ -132,9 +132,10 @@ class ClusterSettings:
         """State the cluster keeps in memory: its simulated GPUs' (MIG instances, MPS
         daemons), which outlives a node agent's restart, as a real GPU's does, and not the
         machine's. A directory on /dev/shm named for this user and state dir (``private_dir``
-        makes it); the state dir's ``memory/`` where there is no /dev/shm. (On disk, the kwok
-        node agent's state file rewrites, two per MIG pod, cost 0.15 of its 1.2 ms per pod.)"""
-        if not SHM_DIR.is_dir():
+        makes it); the state dir's ``memory/`` where there is no /dev/shm this user may write.
+        (On disk, the kwok node agent's state file rewrites, two per MIG pod, cost 0.15 of its
+        1.2 ms per pod.) A 5000-node cluster's files take about 20 MiB there."""
+        if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK | os.X_OK)):
             return self.state_dir / "memory"
         digest = hashlib.sha256(str(self.state_dir.absolute()).encode()).hexdigest()[:16]
         return SHM_DIR / f"tessera-{os.getuid()}-{digest}"
