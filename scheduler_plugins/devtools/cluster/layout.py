@@ -65,13 +65,21 @@ def private_dir(path: Path) -> Path:
         pass
     except OSError as e:
         raise ClusterError(f"cannot create {path}: {e.strerror or e}") from e
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not is_private_dir(path):
         raise ClusterError(
             f"{path} exists but is not a private directory of this user (a link, a file, "
             "another user's, or open to others): remove it and start again"
         )
     return path
+
+
+def is_private_dir(path: Path) -> bool:
+    """``path`` is a directory (not a link) of this user, closed to others."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 @dataclass(frozen=True)
