@@ -37,12 +37,12 @@ from tests.e2e.harness import (
     wait_for,
 )
 from tests.e2e.invariants import cluster_report
+from tests.priority import PRIORITY_CLASSES, priority_class, wait_admitted
 
 CORE_A, MIG, CORE_B = "e2e-pre-0000", "e2e-pre-0001", "e2e-pre-0002"
 PRIORITIES: Final = {"low": 100, "high": 1000}
 LABEL: Final = {"tessera.dev/test": "preempt"}
 SELECTOR: Final = "tessera.dev/test=preempt"
-SCHEDULING: Final = "/apis/scheduling.k8s.io/v1/priorityclasses"
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +50,9 @@ def cluster(built_tools: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     state = tmp_path_factory.mktemp("e2e-preempt")
     with tessera_cluster(state, "e2e-preempt", HERE / "nodes-preempt.yaml", 3) as c:
         for name, value in PRIORITIES.items():
-            c.api.apply(
-                f"{SCHEDULING}/{name}",
-                {
-                    "apiVersion": "scheduling.k8s.io/v1",
-                    "kind": "PriorityClass",
-                    "metadata": {"name": name},
-                    "value": value,
-                },
-            )
+            c.api.apply(f"{PRIORITY_CLASSES}/{name}", priority_class(name, value))
+        for name, value in PRIORITIES.items():
+            wait_admitted(c.api, name, value)
         yield c
 
 

@@ -28,6 +28,7 @@ from scheduler_plugins.core.state import build_state
 from scheduler_plugins.devtools.cluster.testing import ClusterClient
 from scheduler_plugins.server.app import PluginServer
 from tests.builders import gpu, mig_gpu
+from tests.priority import PRIORITY_CLASSES, priority_class, wait_admitted
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -302,22 +303,12 @@ def test_broken_watch_and_410_gone_relist_and_converge(
         server.stop()
 
 
-PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
-
-
 @pytest.fixture
 def high_priority(api: KubeClient) -> Iterator[str]:
     """A PriorityClass of value 1000 (admission sets the pods' spec.priority from it)."""
-    api.post(
-        PRIORITY_CLASSES,
-        {
-            "apiVersion": "scheduling.k8s.io/v1",
-            "kind": "PriorityClass",
-            "metadata": {"name": "ps-high"},
-            "value": 1000,
-        },
-    )
+    api.post(PRIORITY_CLASSES, priority_class("ps-high", 1000))
     try:
+        wait_admitted(api, "ps-high", 1000)
         yield "ps-high"
     finally:
         force_delete(api, f"{PRIORITY_CLASSES}/ps-high")
