@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -276,6 +277,7 @@ def release(
     work = tmp_path_factory.mktemp("rbac")
     try:
         kubectl_apply(dev_cluster, applied, work, dry_run=False)
+        _wait_authorizer_has(dev_cluster, applied.objects)
         yield Release(rendered, NS)
     finally:
         (work / "manifest.yaml").write_text(applied.text)
@@ -287,6 +289,43 @@ def release(
                 api.delete(path)
         _delete_pods(api, NS)
         remove_namespace(dev_cluster, NS)
+
+
+def _first_grant(api: KubeClient, binding: dict[str, Any]) -> Access:
+    """One access the role that ``binding`` refers to grants (its first resource rule's first
+    verb on its first resource), where the binding grants it. The role may be the release's
+    or one the apiserver ships (``system:kube-scheduler``)."""
+    ref, meta = binding["roleRef"], binding["metadata"]
+    where = meta.get("namespace", "") if binding["kind"] == "RoleBinding" else ""
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    path = (
+        f"{rbac}/namespaces/{where}/roles/{ref['name']}"
+        if ref["kind"] == "Role"
+        else f"{rbac}/clusterroles/{ref['name']}"
+    )
+    rule = next(r for r in api.get(path)["rules"] if r.get("resources"))
+    resource, _, sub = rule["resources"][0].partition("/")
+    names = rule.get("resourceNames") or [""]
+    return Access(rule["verbs"][0], resource, rule["apiGroups"][0], sub, where, names[0])
+
+
+def _wait_authorizer_has(cluster: ClusterClient, objects: tuple[dict[str, Any], ...]) -> None:
+    """Return once the RBAC authorizer, which reads roles and bindings from its informer
+    cache, allows what every applied binding grants: right after the apply it may not yet."""
+    grants = [
+        (subject["name"], _first_grant(cluster.api, binding), binding["metadata"]["name"])
+        for binding in objects
+        if binding["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        for subject in binding["subjects"]
+        if subject["kind"] == "ServiceAccount" and subject["namespace"] == NS
+    ]
+    assert grants, "the release binds none of its accounts"
+    for account, access, binding in grants:
+        eventually(
+            functools.partial(sar, cluster, account, access),
+            timeout_s=WAIT_S,
+            what=f"{binding} lets {account} {access}",
+        )
 
 
 def _delete_pods(api: KubeClient, namespace: str) -> None:
