@@ -30,6 +30,19 @@ USE_GPUUUID: Final = "nvidia.com/use-gpuuuid"
 NOUSE_GPUUUID: Final = "nvidia.com/nouse-gpuuuid"
 NUMA_BIND: Final = "nvidia.com/numa-bind"
 SCORING_WEIGHTS: Final = "hami.io/device-scoring-weights"
+# The user annotations a placement decision reads (``parse_request``): the shim signs a pod by
+# them and requeues a pod Tessera rejected when one of them changes (its ``policyAnnotations``).
+DECISION_ANNOTATIONS: Final = (
+    VGPU_MODE,
+    NODE_POLICY,
+    GPU_POLICY,
+    USE_GPUTYPE,
+    NOUSE_GPUTYPE,
+    USE_GPUUUID,
+    NOUSE_GPUUUID,
+    NUMA_BIND,
+    SCORING_WEIGHTS,
+)
 
 # Annotations only Tessera's components may write; users presetting them are rejected.
 INTERNAL_PREFIXES: Final = ("hami.io/vgpu-", "hami.io/bind-")

@@ -29,6 +29,8 @@ from tests.e2e.harness import (
 )
 
 FRAGMENTATION: Final = {ann.VGPU_MODE: "hami-core", ann.NODE_POLICY: "fragmentation"}
+HOG: Final = {"tessera.dev/test": "cpu-hog"}
+HOG_SELECTOR: Final = "tessera.dev/test=cpu-hog"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_half_pods_share_a_gpu_and_a_cpu_starved_node_is_avoided(cluster: E2EClu
     assert node_of(c.wait_bound("half-2")) == first
 
     starved, fed = (n for n in nodes if n != first)
-    c.create(pod_manifest("cpu-hog", requests={"cpu": "31"}, nodes=[starved]))
+    c.create(pod_manifest("cpu-hog", requests={"cpu": "31"}, nodes=[starved], labels=HOG))
     c.wait_bound("cpu-hog", timeout_s=30)
     # starved has a whole GPU free but 1 CPU left: not where a 4-CPU pod can go
     c.create(_pod("whole-1", 40960, 100, "4"))
@@ -82,6 +84,11 @@ def test_half_pods_share_a_gpu_and_a_cpu_starved_node_is_avoided(cluster: E2EClu
     messages = c.wait_event("whole-2")
     assert any("insufficient cpu" in m for m in messages), messages
     assert not node_of(c.pod("whole-2"))
+
+    # the hog, a pod without a GPU, goes: whole-2 is tried again at once (not at
+    # kube-scheduler's periodic retry of waiting pods, five minutes on) and fits there now
+    c.delete_pods(HOG_SELECTOR)
+    assert node_of(c.wait_bound("whole-2", timeout_s=30)) == starved
 
 
 def _cpu_pod(name: str, cpu: str) -> dict[str, Any]:

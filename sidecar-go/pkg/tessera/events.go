@@ -5,6 +5,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	resourcehelper "k8s.io/component-helpers/resource"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 )
@@ -20,8 +21,10 @@ func (p *Plugin) EventsToRegister(_ context.Context) ([]fwk.ClusterEventWithHint
 }
 
 // isGPUPodChange requeues for changes to other pods that hold Tessera resources (bound, or
-// deleted), and for the rejected pod's own policy annotations changing (its container requests
-// are immutable).
+// deleted), for a bound pod gone (deleted, or finished: kube-scheduler reports that as a
+// delete) that held CPU or memory of a kind the rejected pod asks for (Tessera counts a GPU
+// node's CPU and memory with its GPUs, so it may have rejected the pod for those), and for
+// the rejected pod's own policy annotations changing (its container requests are immutable).
 func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj interface{}) (fwk.QueueingHint, error) {
 	oldPod, _ := oldObj.(*v1.Pod)
 	newPod, _ := newObj.(*v1.Pod)
@@ -40,12 +43,28 @@ func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj inter
 			// every member of a gang after each attempt) frees and takes no GPU.
 			return fwk.QueueSkip, nil
 		}
-		if p.resources.requested(other) {
+		if p.resources.requested(other) || (newPod == nil && freesHostFor(pod, other)) {
 			p.events.seen(time.Now()) // the server's watch may apply it after the next cycle
 			return fwk.Queue, nil
 		}
 	}
 	return fwk.QueueSkip, nil
+}
+
+// freesHostFor reports whether gone, a pod no longer running, was bound and held CPU or
+// memory that pod asks for (requests as kube-scheduler counts them).
+func freesHostFor(pod, gone *v1.Pod) bool {
+	if gone.Spec.NodeName == "" {
+		return false
+	}
+	want := resourcehelper.PodRequests(pod, resourcehelper.PodResourcesOptions{})
+	held := resourcehelper.PodRequests(gone, resourcehelper.PodResourcesOptions{})
+	for _, name := range []v1.ResourceName{v1.ResourceCPU, v1.ResourceMemory} {
+		if w, h := want[name], held[name]; !w.IsZero() && !h.IsZero() {
+			return true
+		}
+	}
+	return false
 }
 
 func policyChanged(oldPod, newPod *v1.Pod) bool {

@@ -33,19 +33,30 @@ func TestEventsToRegisterCoverNodesAndGPUPods(t *testing.T) {
 
 	pending := makePod("pending").gpu("1").obj()
 	withMode := makePod("pending").gpu("1").annotate("nvidia.com/vgpu-mode", "mig").obj()
+	noHost := makePod("pending").gpu("1").host(nil).obj()
+	memOnly := map[v1.ResourceName]string{v1.ResourceMemory: "1Gi"}
 	cases := []struct {
 		name     string
+		pending  *v1.Pod // nil: pending
 		old, new *v1.Pod
 		want     fwk.QueueingHint
 	}{
-		{"GPU pod deleted", makePod("gpu").gpu("1").obj(), nil, fwk.Queue},
-		{"CPU pod deleted", makePod("cpu").obj(), nil, fwk.QueueSkip},
-		{"bound GPU pod updated", boundTo(makePod("gpu").gpu("1").obj(), "n1"), boundTo(makePod("gpu").gpu("1").annotate("hami.io/bind-phase", "success").obj(), "n1"), fwk.Queue},
-		{"GPU pod bound", makePod("gpu").gpu("1").obj(), boundTo(makePod("gpu").gpu("1").obj(), "n1"), fwk.Queue},
+		{"GPU pod deleted", nil, makePod("gpu").gpu("1").obj(), nil, fwk.Queue},
+		{"unbound CPU pod deleted", nil, makePod("cpu").obj(), nil, fwk.QueueSkip},
+		// Tessera counts a GPU node's CPU and memory: the pending pod may have lacked them.
+		{"bound CPU pod deleted", nil, boundTo(makePod("cpu").obj(), "n1"), nil, fwk.Queue},
+		{"bound CPU pod deleted, pending asks no CPU or memory", noHost, boundTo(makePod("cpu").obj(), "n1"), nil, fwk.QueueSkip},
+		{"bound memory-only pod deleted, pending asks CPU", nil, boundTo(makePod("mem").host(memOnly).obj(), "n1"), nil, fwk.QueueSkip},
+		{"bound memory-only pod deleted, pending asks memory", makePod("pending").gpu("1").host(memOnly).obj(), boundTo(makePod("mem").host(memOnly).obj(), "n1"), nil, fwk.Queue},
+		{"bound CPU pod updated", nil, boundTo(makePod("cpu").obj(), "n1"), boundTo(makePod("cpu").label("a", "b").obj(), "n1"), fwk.QueueSkip},
+		{"bound GPU pod updated", nil, boundTo(makePod("gpu").gpu("1").obj(), "n1"), boundTo(makePod("gpu").gpu("1").annotate("hami.io/bind-phase", "success").obj(), "n1"), fwk.Queue},
+		{"GPU pod bound", nil, makePod("gpu").gpu("1").obj(), boundTo(makePod("gpu").gpu("1").obj(), "n1"), fwk.Queue},
 		// kube-scheduler writing why another pending GPU pod (a gang member) waits.
-		{"pending GPU pod's status updated", makePod("gpu").gpu("1").obj(), makePod("gpu").gpu("1").annotate("x", "y").obj(), fwk.QueueSkip},
-		{"own policy changed", pending, withMode, fwk.Queue},
-		{"own label changed", pending, makePod("pending").gpu("1").label("a", "b").obj(), fwk.QueueSkip},
+		{"pending GPU pod's status updated", nil, makePod("gpu").gpu("1").obj(), makePod("gpu").gpu("1").annotate("x", "y").obj(), fwk.QueueSkip},
+		{"own policy changed", nil, pending, withMode, fwk.Queue},
+		{"own numa-bind changed", nil, pending, makePod("pending").gpu("1").annotate("nvidia.com/numa-bind", "false").obj(), fwk.Queue},
+		{"own scoring weights changed", nil, pending, makePod("pending").gpu("1").annotate("hami.io/device-scoring-weights", "slot=1,core=1,memory=3").obj(), fwk.Queue},
+		{"own label changed", nil, pending, makePod("pending").gpu("1").label("a", "b").obj(), fwk.QueueSkip},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -56,7 +67,11 @@ func TestEventsToRegisterCoverNodesAndGPUPods(t *testing.T) {
 			if tc.new != nil {
 				newObj = tc.new
 			}
-			got, err := pod.QueueingHintFn(klog.Background(), pending, oldObj, newObj)
+			waiting := pending
+			if tc.pending != nil {
+				waiting = tc.pending
+			}
+			got, err := pod.QueueingHintFn(klog.Background(), waiting, oldObj, newObj)
 			if err != nil || got != tc.want {
 				t.Errorf("hint = %v, %v; want %v", got, err, tc.want)
 			}

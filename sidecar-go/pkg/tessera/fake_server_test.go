@@ -335,6 +335,20 @@ func (b *podBuilder) initLimit(name, value string) *podBuilder {
 	return b
 }
 
+// host replaces the main container's CPU and memory requests and limits (nil: none).
+func (b *podBuilder) host(values map[v1.ResourceName]string) *podBuilder {
+	res := &b.pod.Spec.Containers[0].Resources
+	for _, name := range []v1.ResourceName{v1.ResourceCPU, v1.ResourceMemory} {
+		delete(res.Limits, name)
+		delete(res.Requests, name)
+	}
+	for name, value := range values {
+		res.Limits[name] = resource.MustParse(value)
+		res.Requests[name] = resource.MustParse(value)
+	}
+	return b
+}
+
 func (b *podBuilder) annotate(k, v string) *podBuilder {
 	if b.pod.Annotations == nil {
 		b.pod.Annotations = map[string]string{}

@@ -13,15 +13,18 @@ const (
 	annotationsSignerName = "v1.Pod.Annotations.TesseraPolicy()"
 )
 
-// policyAnnotations are the user annotations the server's decision depends on.
+// policyAnnotations are the user annotations the server's decision depends on: the plugin
+// server's DECISION_ANNOTATIONS (api/hami/keys.py), which a unit test holds this list to.
 var policyAnnotations = []string{
 	"nvidia.com/vgpu-mode",
-	nodePolicyAnnotation,
+	"hami.io/node-scheduler-policy",
 	"hami.io/gpu-scheduler-policy",
 	"nvidia.com/use-gputype",
 	"nvidia.com/nouse-gputype",
 	"nvidia.com/use-gpuuuid",
 	"nvidia.com/nouse-gpuuuid",
+	"nvidia.com/numa-bind",
+	"hami.io/device-scoring-weights",
 }
 
 // containerSign is one container's Tessera limits and requests, in resourceNames order; -1 means

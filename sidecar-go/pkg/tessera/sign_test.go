@@ -51,6 +51,8 @@ func TestSignPodCoversExactlyWhatTheDecisionDependsOn(t *testing.T) {
 		"nouse-gputype":      base().annotate("nvidia.com/nouse-gputype", "T4").obj(),
 		"use-gpuuuid":        base().annotate("nvidia.com/use-gpuuuid", "GPU-1").obj(),
 		"nouse-gpuuuid":      base().annotate("nvidia.com/nouse-gpuuuid", "GPU-1").obj(),
+		"numa-bind":          base().annotate("nvidia.com/numa-bind", "true").obj(),
+		"scoring weights":    base().annotate("hami.io/device-scoring-weights", "slot=1,core=1,memory=3").obj(),
 		"init container gpu": base().initLimit(DefaultResourceCountName, "1").obj(),
 		"request without limit": func() *v1.Pod {
 			pod := base().obj()
