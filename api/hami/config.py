@@ -46,7 +46,9 @@ DEFAULT_ALLOWLIST: Final[tuple[AllowlistEntry, ...]] = (
         ("A100-SXM4-80GB", "A100-80GB-PCIe", "A100-PCIE-80GB", "A100 80GB PCIe"),
         ("1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"),
     ),
-    # H200 before H20: models match as substrings of the NVML name, first entry wins.
+    # Models match as substrings of the NVML name and the first entry wins: GH200 before
+    # H200, H200 before H20 (a unit test checks that no model is shadowed by an earlier one).
+    AllowlistEntry(("GH200",), ("1g.12gb", "2g.24gb", "3g.48gb", "7g.96gb")),
     AllowlistEntry(("H200",), ("1g.18gb", "2g.35gb", "3g.71gb", "7g.141gb")),
     AllowlistEntry(
         ("H100 NVL", "H100-NVL", "H100 94GB"), ("1g.12gb", "2g.24gb", "3g.47gb", "7g.94gb")
@@ -55,7 +57,7 @@ DEFAULT_ALLOWLIST: Final[tuple[AllowlistEntry, ...]] = (
         ("H100 80GB", "H100-SXM5-80GB", "H100 PCIe", "H100-PCIE-80GB"),
         ("1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"),
     ),
-    AllowlistEntry(("H20", "GH200"), ("1g.12gb", "2g.24gb", "3g.48gb", "7g.96gb")),
+    AllowlistEntry(("H20",), ("1g.12gb", "2g.24gb", "3g.48gb", "7g.96gb")),
     AllowlistEntry(("B200",), ("1g.23gb", "2g.45gb", "3g.90gb", "7g.180gb")),
     AllowlistEntry(("RTX PRO 6000 Blackwell Server Edition",), ("1g.24gb", "2g.48gb", "4g.96gb")),
 )

@@ -54,12 +54,23 @@ nvidia:
         ("NVIDIA H100 NVL", "1g.12gb"),
         ("NVIDIA H20", "1g.12gb"),
         ("NVIDIA H200", "1g.18gb"),
+        ("NVIDIA H200 NVL", "1g.18gb"),
+        ("NVIDIA GH200 480GB", "1g.12gb"),
         ("NVIDIA B200", "1g.23gb"),
         ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "1g.24gb"),
     ],
 )
 def test_default_allowlist_covers_spec_models(device: str, first_profile: str) -> None:
     assert DeviceConfig().allowed_profiles(device)[0] == first_profile
+
+
+def test_no_allowlisted_model_is_shadowed_by_an_earlier_entry() -> None:
+    """Models match as substrings, first entry first: a GPU named after each model gets that
+    model's entry, not an earlier one whose model is part of its name (GH200 holds H200)."""
+    cfg = DeviceConfig()
+    for entry in cfg.mig_profile_allowlist:
+        for model in entry.models:
+            assert cfg.allowed_profiles(f"NVIDIA {model}") == entry.profiles, model
 
 
 def test_the_fragmentation_node_policy_loads() -> None:
