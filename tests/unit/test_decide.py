@@ -72,6 +72,29 @@ def test_seed_mig_example_two_2g_on_one_empty_a100() -> None:
     assert (a is not None and b is not None and a.end <= b.start) or b.end <= a.start  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(
+    ("cores", "profile"),
+    [
+        (0, "2g.10gb"),  # memory alone: 8000 MiB needs 2g.10gb (29 % of the cores)
+        (29, "2g.10gb"),
+        (30, "3g.20gb"),  # 43 %
+        (43, "3g.20gb"),
+        (44, "7g.40gb"),  # more than 3g's 43 %: only the whole GPU has it
+        (100, "7g.40gb"),
+    ],
+)
+def test_a_mig_profile_has_the_memory_and_the_cores_asked(cores: int, profile: str) -> None:
+    """Of the profiles with enough memory the smallest with enough compute, too: a profile's
+    ``core`` is the share of the GPU's compute its slices give, and a pod that asks for 50 %
+    of a GPU's cores would get 29 % on a 2g.10gb."""
+    state = state_with(n=(mig_gpu("GPU-m"),))
+    pod = make_pod("p").gpu(1, mem=8000, cores=cores).mode("mig").build()
+    plan = decide(state, parse_request(pod, CFG)).plan_for("n")
+    assert plan is not None
+    (dev,) = plan.containers[0]
+    assert dev.mig_profile == profile
+
+
 def _frag_state() -> ClusterState:
     state = state_with(n=(mig_gpu("GPU-m"),))
     state.upsert_pod(
