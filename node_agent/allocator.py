@@ -53,6 +53,7 @@ from api.hami.keys import (
     MIG_ALLOCATIONS,
     VGPU_NODE_LABEL,
     GpuMode,
+    vgpu_node_labels,
 )
 from api.hami.matching import next_container, to_allocate
 from api.kube.errors import ConflictError, NotFoundError
@@ -504,10 +505,11 @@ class Allocator:
             current_meta = as_object(current.get("metadata"))
             rv = current_meta.get("resourceVersion")
             body: dict[str, Any] = {"annotations": patch}
-            if VGPU_NODE_LABEL not in as_object(current_meta.get("labels")):
+            labels = vgpu_node_labels(self.node_name)
+            if labels and VGPU_NODE_LABEL not in as_object(current_meta.get("labels")):
                 # Pods bound before Tessera wrote the label (or by a scheduler that did not):
                 # HAMi's monitor finds a node's pods by it.
-                body["labels"] = {VGPU_NODE_LABEL: self.node_name}
+                body["labels"] = labels
             try:
                 self._kube.merge_patch(path, {"metadata": body}, resource_version=rv)
                 return

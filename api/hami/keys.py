@@ -57,6 +57,18 @@ GPU_MODES: Final[tuple[GpuMode, ...]] = ("hami-core", "mig", "mps")
 MPS_MAX_CLIENTS: Final = 48
 
 
+# The longest value a Kubernetes label may have; node names may be up to 253 characters.
+LABEL_VALUE_MAX: Final = 63
+
+
+def vgpu_node_labels(node: str) -> dict[str, str]:
+    """The ``hami.io/vgpu-node`` pod label for a pod placed on ``node``: none where the name is
+    longer than a label value may be (the API server would refuse the whole write, and the
+    pod would never bind). HAMi's monitor, which lists a node's pods by the label, then does
+    not see that node's pods; Tessera's own components never select by it."""
+    return {VGPU_NODE_LABEL: node} if len(node) <= LABEL_VALUE_MAX else {}
+
+
 def parse_gpu_mode(value: str) -> GpuMode | None:
     """The GPU mode named exactly ``value``, or None if it names none."""
     for mode in GPU_MODES:

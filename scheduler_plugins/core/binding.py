@@ -30,5 +30,5 @@ def bind_annotations(plan: PodPlan, *, bind_time: int | None = None) -> dict[str
 
 def bind_labels(plan: PodPlan) -> dict[str, str]:
     """The pod labels written with the annotations: ``hami.io/vgpu-node``, as HAMi writes it
-    (its monitor lists a node's GPU pods by it)."""
-    return {ann.VGPU_NODE_LABEL: plan.node}
+    (its monitor lists a node's GPU pods by it), where the node's name can be a label value."""
+    return ann.vgpu_node_labels(plan.node)

@@ -173,6 +173,20 @@ def test_node_label_is_added_when_missing_and_left_when_present(backend: Simulat
     assert "labels" not in kube.patches[-1][1]["metadata"]
 
 
+def test_no_node_label_where_the_node_name_is_too_long_for_one(backend: SimulatedNvml) -> None:
+    """A node name over 63 characters is no label value: the API server would refuse the
+    whole patch, and the pod would never get its devices."""
+    long_name = "gpu-node-" + "x" * 60
+    kube = FakeKube()
+    path = kube.add_pod(make_pod("p", long_name, devices=[[(G0, 1000, 10)]]))
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(long_name, "hami-core"),))
+    mig = MigManager(backend, node_name=long_name)
+    alloc = Allocator(long_name, kube, backend, mig, cfg, cache_name=lambda: "fixed")
+    alloc.allocate([[f"{G0}-0"]])
+    assert kube.annotations(path)[BIND_PHASE] == "success"
+    assert VGPU_NODE_LABEL not in (kube.objects[path]["metadata"].get("labels") or {})
+
+
 def test_legacy_mig_slot_is_refused_with_what_to_do(backend: SimulatedNvml) -> None:
     kube = FakeKube()
     legacy = f"{G0}[1-1],NVIDIA,19968,28:;"

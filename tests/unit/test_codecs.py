@@ -13,6 +13,7 @@ from api.hami.devices import (
     encode_devices,
     encode_mig_allocations,
 )
+from api.hami.keys import VGPU_NODE_LABEL, vgpu_node_labels
 from api.hami.nodes import decode_cordon, decode_pair_scores
 from api.hami.register import decode, encode
 
@@ -274,3 +275,19 @@ def test_hami_node_annotations_cordon_and_pair_scores() -> None:
     assert decode_pair_scores("null") == {}
     with pytest.raises(InvalidAnnotationError, match="node-nvidia-score"):
         decode_pair_scores('[{"uuid":"GPU-a","score":{"GPU-b":1.5}}]')
+
+
+@pytest.mark.parametrize(
+    ("node", "labels"),
+    [
+        ("gpu-1", {VGPU_NODE_LABEL: "gpu-1"}),
+        ("a" * 63, {VGPU_NODE_LABEL: "a" * 63}),
+        # a node name may have 253 characters, a label value 63: no label, the pod still binds
+        ("a" * 64, {}),
+        ("ip-10-0-0-1." + "compute." * 20 + "internal", {}),
+    ],
+)
+def test_the_vgpu_node_label_only_where_the_node_name_is_a_label_value(
+    node: str, labels: dict[str, str]
+) -> None:
+    assert vgpu_node_labels(node) == labels
