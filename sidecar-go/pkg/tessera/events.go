@@ -21,10 +21,11 @@ func (p *Plugin) EventsToRegister(_ context.Context) ([]fwk.ClusterEventWithHint
 }
 
 // isGPUPodChange requeues for changes to other pods that hold Tessera resources (bound, or
-// deleted), for a bound pod gone (deleted, or finished: kube-scheduler reports that as a
-// delete) that held CPU or memory of a kind the rejected pod asks for (Tessera counts a GPU
-// node's CPU and memory with its GPUs, so it may have rejected the pod for those), and for
-// the rejected pod's own policy annotations changing (its container requests are immutable).
+// deleted), for a bound pod that frees CPU or memory of a kind the rejected pod asks for (gone:
+// deleted, or finished, which kube-scheduler reports as a delete; or resized down in place:
+// Tessera counts a GPU node's CPU and memory with its GPUs, so it may have rejected the pod
+// for those), and for the rejected pod's own policy annotations changing (its container
+// requests are immutable).
 func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj interface{}) (fwk.QueueingHint, error) {
 	oldPod, _ := oldObj.(*v1.Pod)
 	newPod, _ := newObj.(*v1.Pod)
@@ -43,7 +44,7 @@ func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj inter
 			// every member of a gang after each attempt) frees and takes no GPU.
 			return fwk.QueueSkip, nil
 		}
-		if p.resources.requested(other) || (newPod == nil && freesHostFor(pod, other)) {
+		if p.resources.requested(other) || (oldPod != nil && freesHostFor(pod, oldPod, newPod)) {
 			p.events.seen(time.Now()) // the server's watch may apply it after the next cycle
 			return fwk.Queue, nil
 		}
@@ -51,16 +52,25 @@ func (p *Plugin) isGPUPodChange(_ klog.Logger, pod *v1.Pod, oldObj, newObj inter
 	return fwk.QueueSkip, nil
 }
 
-// freesHostFor reports whether gone, a pod no longer running, was bound and held CPU or
-// memory that pod asks for (requests as kube-scheduler counts them).
-func freesHostFor(pod, gone *v1.Pod) bool {
-	if gone.Spec.NodeName == "" {
+// freesHostFor reports whether a bound pod, before a change and after it (nil: gone), freed
+// CPU or memory that pod asks for: it held some and is gone, or its requests of it shrank
+// (requests as kube-scheduler counts them).
+func freesHostFor(pod, before, after *v1.Pod) bool {
+	if before.Spec.NodeName == "" {
 		return false
 	}
 	want := resourcehelper.PodRequests(pod, resourcehelper.PodResourcesOptions{})
-	held := resourcehelper.PodRequests(gone, resourcehelper.PodResourcesOptions{})
+	held := resourcehelper.PodRequests(before, resourcehelper.PodResourcesOptions{})
+	var kept v1.ResourceList
+	if after != nil {
+		kept = resourcehelper.PodRequests(after, resourcehelper.PodResourcesOptions{})
+	}
 	for _, name := range []v1.ResourceName{v1.ResourceCPU, v1.ResourceMemory} {
-		if w, h := want[name], held[name]; !w.IsZero() && !h.IsZero() {
+		w, h := want[name], held[name]
+		if w.IsZero() || h.IsZero() {
+			continue
+		}
+		if k := kept[name]; after == nil || k.Cmp(h) < 0 {
 			return true
 		}
 	}

@@ -35,6 +35,8 @@ func TestEventsToRegisterCoverNodesAndGPUPods(t *testing.T) {
 	withMode := makePod("pending").gpu("1").annotate("nvidia.com/vgpu-mode", "mig").obj()
 	noHost := makePod("pending").gpu("1").host(nil).obj()
 	memOnly := map[v1.ResourceName]string{v1.ResourceMemory: "1Gi"}
+	twoCPUs := map[v1.ResourceName]string{v1.ResourceCPU: "2"}
+	cpuAndMem := map[v1.ResourceName]string{v1.ResourceCPU: "1", v1.ResourceMemory: "1Gi"}
 	cases := []struct {
 		name     string
 		pending  *v1.Pod // nil: pending
@@ -48,6 +50,9 @@ func TestEventsToRegisterCoverNodesAndGPUPods(t *testing.T) {
 		{"bound CPU pod deleted, pending asks no CPU or memory", noHost, boundTo(makePod("cpu").obj(), "n1"), nil, fwk.QueueSkip},
 		{"bound memory-only pod deleted, pending asks CPU", nil, boundTo(makePod("mem").host(memOnly).obj(), "n1"), nil, fwk.QueueSkip},
 		{"bound memory-only pod deleted, pending asks memory", makePod("pending").gpu("1").host(memOnly).obj(), boundTo(makePod("mem").host(memOnly).obj(), "n1"), nil, fwk.Queue},
+		{"bound CPU pod resized down", nil, boundTo(makePod("cpu").host(twoCPUs).obj(), "n1"), boundTo(makePod("cpu").obj(), "n1"), fwk.Queue},
+		{"bound CPU pod resized up", nil, boundTo(makePod("cpu").obj(), "n1"), boundTo(makePod("cpu").host(twoCPUs).obj(), "n1"), fwk.QueueSkip},
+		{"bound CPU pod's memory resized down, pending asks CPU", nil, boundTo(makePod("cpu").host(cpuAndMem).obj(), "n1"), boundTo(makePod("cpu").obj(), "n1"), fwk.QueueSkip},
 		{"bound CPU pod updated", nil, boundTo(makePod("cpu").obj(), "n1"), boundTo(makePod("cpu").label("a", "b").obj(), "n1"), fwk.QueueSkip},
 		{"bound GPU pod updated", nil, boundTo(makePod("gpu").gpu("1").obj(), "n1"), boundTo(makePod("gpu").gpu("1").annotate("hami.io/bind-phase", "success").obj(), "n1"), fwk.Queue},
 		{"GPU pod bound", nil, makePod("gpu").gpu("1").obj(), boundTo(makePod("gpu").gpu("1").obj(), "n1"), fwk.Queue},
