@@ -295,8 +295,9 @@ class NodeAgent:
     def _reconcile_loop(self, mig: MigManager, halt: threading.Event) -> None:
         while not halt.wait(self._reconcile_s):
             try:
+                as_of = mig.changes  # before the pods: instances recorded since are kept
                 read = self._desired()
-                report = mig.reconcile(read.desired, reason=read.reason)
+                report = mig.reconcile(read.desired, reason=read.reason, as_of=as_of)
                 if report.destroyed or report.adopted:
                     log.info(
                         "node_agent.reconciled",

@@ -98,6 +98,14 @@ class _Given(NamedTuple):
     mig: tuple[MigAllocation, ...] = ()
 
 
+class _Listed(NamedTuple):
+    """The node's pods as one list read them, and the MIG manager's ``changes`` count read
+    just before (None without a MIG manager)."""
+
+    pods: list[dict[str, Any]]
+    mig_as_of: int | None
+
+
 class AllocationRefusedError(InvalidInputError):
     """The matched pod's annotations are not something this node can allocate."""
 
@@ -146,8 +154,8 @@ class Allocator:
     def allocate(self, containers: Sequence[Sequence[str]]) -> Sequence[ContainerAllocation]:
         out: list[ContainerAllocation] = []
         for ids in containers:
-            pods = self._list_pods()
-            match = match_pod(pods, self.node_name, ids)
+            listed = self._listed()
+            match = match_pod(listed.pods, self.node_name, ids)
             if requested_gpus(ids) != Counter(d.uuid for d in match.devices):
                 # The kubelet did not take our preferred ids (or had to choose itself): the
                 # pod is still the only one asking this many devices, and what it gets
@@ -159,7 +167,7 @@ class Allocator:
                     container=match.container_index,
                     ids=list(ids),
                 )
-            given = self._allocate_guarded(match.pod, match.container_index, pods)
+            given = self._allocate_guarded(match.pod, match.container_index, listed)
             out.append(given.allocation)
             if self._identities is not None:
                 siblings = (match.key, *match.siblings) if match.siblings else ()
@@ -193,9 +201,9 @@ class Allocator:
     def allocate_next(self, namespace: str, name: str) -> ContainerAllocation | None:
         """Allocate the pod's next container (as the kubelet's Allocate would); None when
         the pod has nothing left to allocate or is no longer allocating."""
-        pods = self._list_pods()
+        listed = self._listed()
         pod = next(
-            (p for p in pods if pod_key(p) == f"{namespace}/{name}"),
+            (p for p in listed.pods if pod_key(p) == f"{namespace}/{name}"),
             None,
         )
         if pod is None or annotations_of(pod).get(BIND_PHASE) != "allocating":
@@ -203,7 +211,7 @@ class Allocator:
         nxt = next_container(annotations_of(pod), obj=f"{namespace}/{name}")
         if nxt is None:
             return None
-        return self._allocate_guarded(pod, nxt[0], pods).allocation
+        return self._allocate_guarded(pod, nxt[0], listed).allocation
 
     @staticmethod
     def device_ids(entry: ContainerDevices) -> list[str]:
@@ -221,12 +229,17 @@ class Allocator:
         answer = self._kube.list("/api/v1/pods", field_selector=f"spec.nodeName={self.node_name}")
         return list(answer.get("items") or [])
 
-    def _allocate_guarded(
-        self, pod: Mapping[str, Any], ci: int, pods: Sequence[Mapping[str, Any]]
-    ) -> _Given:
+    def _listed(self) -> _Listed:
+        """The node's pods, and how often the MIG manager's records had changed before they
+        were read (its ``reconcile`` keeps instances recorded since: their pods may be
+        missing from the list)."""
+        as_of = self._mig.changes if self._mig is not None else None
+        return _Listed(self._list_pods(), as_of)
+
+    def _allocate_guarded(self, pod: Mapping[str, Any], ci: int, listed: _Listed) -> _Given:
         key = pod_key(pod)
         try:
-            return self._allocate(pod, ci, pods)
+            return self._allocate(pod, ci, listed)
         except TemporaryError:
             raise  # the pod stays allocating; a retried Allocate completes it
         except TesseraError as e:
@@ -234,9 +247,7 @@ class Allocator:
             self._mark_failed(pod)
             raise
 
-    def _allocate(
-        self, pod: Mapping[str, Any], ci: int, pods: Sequence[Mapping[str, Any]]
-    ) -> _Given:
+    def _allocate(self, pod: Mapping[str, Any], ci: int, listed: _Listed) -> _Given:
         key = pod_key(pod)
         ann = annotations_of(pod)
         pending = to_allocate(ann, obj=f"pod {key}")
@@ -253,7 +264,7 @@ class Allocator:
                 )
             allocation, mode = self._mps_allocation(key, ci, entry), "mps"
         elif reservations:
-            return self._allocate_mig(pod, ci, entry, reservations, pods)
+            return self._allocate_mig(pod, ci, entry, reservations, listed)
         elif self._mode == "mig":
             raise AllocationRefusedError(
                 f"pod {key} container {ci}: node {self.node_name} runs MIG but the container "
@@ -275,7 +286,7 @@ class Allocator:
         ci: int,
         entry: ContainerDevices,
         reservations: tuple[MigAllocation, ...],
-        pods: Sequence[Mapping[str, Any]],
+        listed: _Listed,
     ) -> _Given:
         key = pod_key(pod)
         if self._mig is None:
@@ -286,8 +297,10 @@ class Allocator:
                 f"{sorted(r.gpu_uuid for r in reservations)} but {DEVICES_TO_ALLOCATE} lists "
                 f"{sorted(d.uuid for d in entry)}"
             )
-        read = desired_from_pods(pods, node_name=self.node_name)
-        identities = self._mig.ensure(key, reservations, read.desired, desired_reason=read.reason)
+        read = desired_from_pods(listed.pods, node_name=self.node_name)
+        identities = self._mig.ensure(
+            key, reservations, read.desired, desired_reason=read.reason, as_of=listed.mig_as_of
+        )
 
         def build(fresh: Mapping[str, str]) -> dict[str, str] | None:
             patch = self._emptied(key, fresh, ci, entry)

@@ -640,7 +640,7 @@ class KwokAgents:
         if seen == node.settled_at:
             return
         read = desired_from_pods(self.pods.on_node(node.name), node_name=node.name)
-        report = node.mig.reconcile(read.desired, reason=read.reason)
+        report = node.mig.reconcile(read.desired, reason=read.reason, as_of=seen[2])
         node.settled_at = seen if report.settled else None
 
     def _marks(self, node: FakeNode) -> tuple[int, int, int]:

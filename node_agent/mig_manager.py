@@ -163,6 +163,8 @@ class ReconcileReport:
     vanished: tuple[InstanceKey, ...] = ()  # gone or replaced in NVML: forgotten, not destroyed
     mismatched: tuple[Problem, ...] = ()  # recorded identity does not match NVML
     held: tuple[InstanceKey, ...] = ()  # handed out, holder not known yet: kept (``protect``)
+    # recorded after the desired set was read (``as_of``): kept, the next pass decides
+    newer: tuple[InstanceKey, ...] = ()
 
     @property
     def settled(self) -> bool:
@@ -177,6 +179,7 @@ class ReconcileReport:
             or self.vanished
             or self.mismatched
             or self.held
+            or self.newer
         )
 
 
@@ -260,6 +263,7 @@ class _Tally:
     mismatched: list[Problem] = field(default_factory=list)
     pending: list[Owner] = field(default_factory=list)
     held: list[InstanceKey] = field(default_factory=list)
+    newer: list[InstanceKey] = field(default_factory=list)
 
 
 class MigManager:
@@ -272,6 +276,7 @@ class MigManager:
         self._gpu_locks: dict[int, threading.Lock] = {}
         self._instances: dict[InstanceKey, ManagedInstance] = {}
         self._changes = 0  # how often the records above changed
+        self._recorded_at: dict[InstanceKey, int] = {}  # each record's ``_changes`` count
         self._gpu_index_by_uuid: dict[str, int] | None = None
         # Per GPU index, the MIG profiles NVML resolves: fixed while the GPU's MIG mode is
         # (the agent never changes it), so read once, like the UUIDs above. A GPU that
@@ -307,8 +312,10 @@ class MigManager:
         desired: DesiredSet | None,
         *,
         desired_reason: str = UNREADABLE,
+        as_of: int | None = None,
     ) -> list[RuntimeIdentity]:
         """Realize ``pod``'s ``allocations``; their identities, in the same order.
+        ``as_of``: ``changes`` as it was before ``desired`` was read (see ``reconcile``).
 
         Raises ``MigAllocationError`` (after rolling back this attempt's creations).
         """
@@ -320,6 +327,7 @@ class MigManager:
             None if desired is None else desired.with_pod(pod, allocations),
             reason=desired_reason,
             gpus={a.gpu_uuid for a in allocations},
+            as_of=as_of,
         )
         plans = [self._plan(Reservation(pod, a)) for a in allocations]
         steps: list[_Step] = []
@@ -520,9 +528,15 @@ class MigManager:
         *,
         reason: str = UNREADABLE,
         gpus: Set[str] | None = None,
+        as_of: int | None = None,
     ) -> ReconcileReport:
         """Reclaim managed instances nobody desires; adopt desired unmanaged ones; on the GPUs
-        whose UUIDs are in ``gpus`` only, if given."""
+        whose UUIDs are in ``gpus`` only, if given.
+
+        ``as_of``: ``changes`` as it was before ``desired`` was read. An instance recorded
+        since is kept whoever ``desired`` names: an Allocate may have realized it for a pod
+        bound after the read, and reclaiming it would leave that pod a MIG device that no
+        longer exists. None: ``desired`` is as new as the records (tests)."""
         if desired is None:
             log.warning("mig.reconcile_skipped", node=self._node, reason=reason)
             return ReconcileReport(skipped=True, reason=reason)
@@ -554,6 +568,9 @@ class MigManager:
                     claims = wanted.get(m.key, {})
                     if m.owner in claims:
                         continue
+                    if as_of is not None and self._recorded_since(m.key, as_of):
+                        tally.newer.append(m.key)
+                        continue
                     heir = min((o for o, rt in claims.items() if rt == m.identity), default=None)
                     if heir is not None:
                         self._move(m, heir)
@@ -570,7 +587,12 @@ class MigManager:
             vanished=tuple(tally.vanished),
             mismatched=tuple(tally.mismatched),
             held=tuple(tally.held),
+            newer=tuple(tally.newer),
         )
+
+    def _recorded_since(self, key: InstanceKey, as_of: int) -> bool:
+        with self._state_lock:
+            return self._recorded_at.get(key, 0) > as_of
 
     def _move(self, m: ManagedInstance, owner: Owner) -> None:
         """``m`` now belongs to ``owner``, whose reservation records exactly ``m``'s runtime
@@ -840,10 +862,12 @@ class MigManager:
         with self._state_lock:
             self._instances[m.key] = m
             self._changes += 1
+            self._recorded_at[m.key] = self._changes
 
     def _forget(self, key: InstanceKey) -> None:
         with self._state_lock:
             if self._instances.pop(key, None) is not None:
+                self._recorded_at.pop(key, None)
                 self._changes += 1
 
     @contextmanager

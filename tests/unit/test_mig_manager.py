@@ -364,6 +364,40 @@ def test_reclaims_the_instance_after_its_pod_ends_ci_then_gi(rig: Rig) -> None:
     assert list(rig.manager.instances()) == [InstanceKey(0, "2g.10gb", 4, 2)]
 
 
+def test_an_instance_recorded_after_the_pods_were_read_is_kept(rig: Rig) -> None:
+    """The reconcile pass reads the node's pods; a pod bound after that read is not in them,
+    and its Allocate may realize its instance before the pass reaches its GPU: the pass
+    keeps it (``newer``, so not settled), and the next one, reading the pod, leaves it."""
+    a = rig.alloc(0, "2g.10gb", 2)
+    as_of = rig.manager.changes  # the pass notes the count, then reads the pods: no ns/p
+    stale = EMPTY
+    rig.manager.ensure("ns/p", [a], desired(("ns/p", [a])))  # ns/p bound and allocated
+    report = rig.manager.reconcile(stale, as_of=as_of)
+    key = InstanceKey(0, "2g.10gb", 2, 2)
+    assert report.newer == (key,) and not report.destroyed and not report.settled
+    assert rig.all_gis() == [(0, 2, 2)]
+    again = rig.manager.reconcile(desired(("ns/p", [a])), as_of=rig.manager.changes)
+    assert again.settled and list(rig.manager.instances()) == [key]
+    # read after the record, a set without the pod is current: the pod is gone
+    gone = rig.manager.reconcile(EMPTY, as_of=rig.manager.changes)
+    assert gone.destroyed == (key,) and rig.all_gis() == []
+
+
+def test_an_allocate_with_an_older_pod_list_keeps_a_newer_instance(rig: Rig) -> None:
+    """Two Allocates on one GPU: the second listed the node's pods before the first pod was
+    bound, so its desired set lacks that pod; reclaiming on its own GPU keeps the first
+    pod's instance, recorded after that list."""
+    first, second = rig.alloc(0, "2g.10gb", 2), rig.alloc(0, "2g.10gb", 4)
+    as_of = rig.manager.changes
+    listed = desired(("ns/second", [second]))  # read before ns/first was bound
+    rig.manager.ensure("ns/first", [first], desired(("ns/first", [first])))
+    rig.manager.ensure("ns/second", [second], listed, as_of=as_of)
+    assert sorted(rig.manager.instances()) == [
+        InstanceKey(0, "2g.10gb", 2, 2),
+        InstanceKey(0, "2g.10gb", 4, 2),
+    ]
+
+
 def test_ensure_reclaims_on_the_pods_own_gpus_and_leaves_the_rest_to_reconcile(
     rig: Rig,
 ) -> None:
