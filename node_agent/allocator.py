@@ -342,14 +342,16 @@ class Allocator:
 
     def _gpu_memory(self) -> dict[str, int]:
         """Each GPU's memory by UUID: what NVML says once (the node's GPUs and their sizes do
-        not change while the agent runs; the MIG manager keeps its UUIDs the same way)."""
+        not change while the agent runs; the MIG manager keeps its UUIDs the same way). Read
+        again while a GPU's size is unknown (lost before it was ever read)."""
         known = self._memory_of
         if known is None:
             known = {}
             for i in range(self._backend.device_count()):
                 info = self._backend.device(i)
                 known[info.uuid] = info.memory_mib
-            self._memory_of = known
+            if all(mib > 0 for mib in known.values()):
+                self._memory_of = known
         return known
 
     def _check_devices(self, key: str, ci: int, entry: ContainerDevices) -> None:

@@ -1,9 +1,10 @@
 """What a node registers, discovered through an ``NvmlBackend``.
 
-``discover`` is pure apart from the backend's read-only calls: it produces the
-``GpuDevice`` records of ``hami.io/node-nvidia-register``. In mig mode each GPU lists the
-allowlisted profiles NVML resolves, in allowlist order, with NVML's memory, slice count
-and possible placements, and ``core = ceil(profile SMs × 100 / full-GPU SMs)``.
+``discover`` is pure apart from the backend's read-only calls (and a warning for a GPU it
+leaves out): it produces the ``GpuDevice`` records of ``hami.io/node-nvidia-register``.
+In mig mode each GPU lists the allowlisted profiles NVML resolves, in allowlist order, with
+NVML's memory, slice count and possible placements, and
+``core = ceil(profile SMs × 100 / full-GPU SMs)``.
 
 Profile names are policy labels, NVML works with profile indexes: to resolve a name the
 GPU's profile index constants (0..17) are queried; a profile's name is the one NVML's v2
@@ -18,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import structlog
+
 from api.hami.catalog import UnknownModelError, find_model
 from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
 from api.hami.register import GpuDevice, MigProfile
@@ -28,6 +31,8 @@ from node_agent.nvml.backend import (
     NvmlBackend,
 )
 from node_agent.nvml.errors import InvalidArgument, NotFound, NotSupported
+
+log = structlog.get_logger(__name__)
 
 _ABSENT = (NotSupported, InvalidArgument, NotFound)
 # Modes whose GPUs are shared by slots with limits (HAMi-core's or MPS's): memory and core
@@ -48,11 +53,23 @@ def discover(
     """The GPUs of this node as it registers them (``backend`` must be initialized), but
     those ``registers`` leaves out (``filterdevices``). A hami-core or mps GPU registers
     ``core_scaling`` × 100 cores (HAMi's ``deviceCoreScaling``) and ``memory_scaling`` × its
-    memory; an mps GPU at most ``MPS_MAX_CLIENTS`` slots (one daemon serves no more)."""
+    memory; an mps GPU at most ``MPS_MAX_CLIENTS`` slots (one daemon serves no more). A lost
+    GPU whose size is unknown (never read, a model the catalog lacks) is left out: a
+    register entry without memory is unreadable, and would make the node's whole register
+    so; it is registered once NVML answers for it again."""
     devices: list[GpuDevice] = []
     for index in range(backend.device_count()):
         dev = backend.device(index)
         if not registers(dev.uuid, dev.index):
+            continue
+        if dev.memory_mib <= 0:
+            log.warning(
+                "discovery.gpu_left_out",
+                gpu=dev.uuid,
+                index=dev.index,
+                model=dev.name,
+                reason="NVML reports no memory size for it (lost before it was ever read)",
+            )
             continue
         profiles: tuple[MigProfile, ...] = ()
         scaled = mode in _SCALED_MODES

@@ -64,6 +64,7 @@ class PynvmlBackend:
     def __init__(self, module: Any | None = None) -> None:
         self._module = module
         self._gate = SessionGate()
+        self._memory_seen: dict[str, int] = {}  # GPU UUID -> MiB, as last read
 
     # -- session ----------------------------------------------------------------------
 
@@ -92,13 +93,15 @@ class PynvmlBackend:
             h = nv.nvmlDeviceGetHandleByIndex(index)
             name = _text(nv.nvmlDeviceGetName(h))
             uuid = _text(nv.nvmlDeviceGetUUID(h))
-            healthy, memory_mib = True, 0
+            healthy = True
             try:
                 memory_mib = int(nv.nvmlDeviceGetMemoryInfo(h).total) // _MIB
+                self._memory_seen[uuid] = memory_mib
             except nv.NVMLError as e:
                 if _code(e) not in _LOST:
                     raise
                 healthy = False  # fallen off the bus / needs a reset: report, don't fail
+                memory_mib = self._lost_memory(uuid, name)
             return DeviceInfo(
                 index=index,
                 uuid=uuid,
@@ -265,6 +268,17 @@ class PynvmlBackend:
         get = getattr(nv, "nvmlDeviceGetNumaNodeId", None)  # newer bindings only
         node = _absent_is_none(nv, lambda: get(h)) if get is not None else None
         return max(_int(node), 0) if node is not None else 0
+
+    def _lost_memory(self, uuid: str, name: str) -> int:
+        """A lost GPU's memory, which NVML no longer answers: as last read, else the catalog's
+        size for the model, else 0 (unknown)."""
+        seen = self._memory_seen.get(uuid)
+        if seen is not None:
+            return seen
+        try:
+            return find_model(name).memory_mib
+        except UnknownModelError:
+            return 0
 
     @staticmethod
     def _multiprocessors(nv: Any, h: Any, name: str) -> int:

@@ -11,6 +11,7 @@ from api.errors import InvalidConfigError
 from api.hami.catalog import MODELS, simulated_devices
 from api.hami.config import DeviceConfig, load_config
 from api.hami.keys import GpuMode
+from api.hami.register import decode, encode
 from node_agent.nvml import (
     BACKEND_KINDS,
     GpuInstanceProfileInfo,
@@ -20,6 +21,7 @@ from node_agent.nvml import (
     backend_from_env,
     make_backend,
 )
+from node_agent.nvml.backend import DeviceInfo
 from node_agent.nvml.discovery import discover, unregistered
 
 A100 = "NVIDIA A100-PCIE-40GB"
@@ -113,6 +115,23 @@ def test_health_comes_from_the_device() -> None:
     sim.set_health(1, False)
     devs = discover(sim, DeviceConfig().allowed_profiles, "mig", 10, 1.0)
     assert [d.health for d in devs] == [True, False]
+    sim.shutdown()
+
+
+class _SizeUnknown(SimulatedNvml):
+    """GPU 1 is lost and NVML never told its size (memory 0)."""
+
+    def device(self, index: int) -> DeviceInfo:
+        info = super().device(index)
+        return dataclasses.replace(info, memory_mib=0, healthy=False) if index == 1 else info
+
+
+def test_a_lost_gpu_of_unknown_size_is_left_out_and_the_rest_register() -> None:
+    sim = _SizeUnknown([SimulatedGpuSpec(A100) for _ in range(3)], node_name="node-a")
+    sim.init()
+    devs = discover(sim, DeviceConfig().allowed_profiles, "hami-core", 10, 1.0)
+    assert [d.index for d in devs] == [0, 2]
+    assert decode(encode(devs)) == devs
     sim.shutdown()
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from api.hami.register import Placement
+from api.hami.catalog import find_model
+from api.hami.register import Placement, decode, encode
 from node_agent.nvml import (
     InsufficientResources,
     InUse,
@@ -31,6 +32,7 @@ from node_agent.nvml import (
     Uninitialized,
 )
 from node_agent.nvml.backend import COMPUTE_INSTANCE_PROFILE_SLICES
+from node_agent.nvml.discovery import discover
 from node_agent.nvml.errors import error_for_code
 from node_agent.nvml.real import map_nvml_error
 
@@ -409,6 +411,31 @@ def test_lost_gpu_is_reported_unhealthy(backend: PynvmlBackend, fake: FakePynvml
     dev = backend.device(0)
     assert not dev.healthy
     assert dev.uuid == fake.sim.device(0).uuid
+
+
+def test_a_lost_gpu_keeps_the_memory_it_had(backend: PynvmlBackend, fake: FakePynvml) -> None:
+    size = backend.device(0).memory_mib
+    fake.sim.set_health(0, False)
+    dev = backend.device(0)
+    assert not dev.healthy and dev.memory_mib == size > 0
+
+
+def test_a_gpu_lost_before_it_was_ever_read_has_its_models_memory(
+    backend: PynvmlBackend, fake: FakePynvml
+) -> None:
+    fake.sim.set_health(0, False)
+    assert backend.device(0).memory_mib == find_model(A100).memory_mib
+
+
+def test_a_node_with_a_lost_gpu_registers_what_the_scheduler_reads(
+    backend: PynvmlBackend, fake: FakePynvml
+) -> None:
+    """A lost GPU registers unhealthy with its memory: an entry without it is unreadable and
+    would make the node's whole register so."""
+    fake.sim.set_health(0, False)
+    devices = discover(backend, lambda _name: (), "hami-core", 10, 1.0)
+    (gpu,) = decode(encode(devices))
+    assert not gpu.health and gpu.devmem == find_model(A100).memory_mib
 
 
 def test_shutdown_waits_for_accepted_operations(fake: FakePynvml) -> None:
