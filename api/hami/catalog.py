@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from api.hami.config import DeviceConfig
 from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, GpuMode, parse_gpu_mode
-from api.hami.register import GpuDevice, MigProfile, Placement, encode
+from api.hami.register import GpuDevice, MigProfile, Placement, encode, registered_type
 
 # NVML profile *index* constants (NVML_GPU_INSTANCE_PROFILE_*).
 IDX_1_SLICE = 0
@@ -229,7 +229,7 @@ def simulated_devices(
             count=min(split, MPS_MAX_CLIENTS) if mode == "mps" else split,
             devmem=int(m.memory_mib * (scaling if mode in ("hami-core", "mps") else 1.0)),
             devcore=100,
-            type=m.name,
+            type=registered_type(m.name),
             numa=simulated_numa(i, gpu_count),
             health=True,
             mode=mode,

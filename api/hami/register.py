@@ -61,6 +61,13 @@ class GpuDevice:
     mig_profiles: tuple[MigProfile, ...] = ()
 
 
+def registered_type(name: str) -> str:
+    """The GPU type a node registers for NVML's device name: HAMi's, which prefixes a name
+    that does not start with ``NVIDIA`` (``Tesla T4`` -> ``NVIDIA-Tesla T4``), so selectors
+    written against HAMi's register (``nvidia.com/use-gputype``) match the same GPUs."""
+    return name if name.startswith("NVIDIA") else f"NVIDIA-{name}"
+
+
 def encode(devices: list[GpuDevice] | tuple[GpuDevice, ...]) -> str:
     """The bytes HAMi's device plugin writes for the same GPUs: Go ``encoding/json`` of its
     ``DeviceInfo`` list, keys in struct order, every field ``omitempty``."""

@@ -23,7 +23,7 @@ import structlog
 
 from api.hami.catalog import UnknownModelError, find_model
 from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
-from api.hami.register import GpuDevice, MigProfile
+from api.hami.register import GpuDevice, MigProfile, registered_type
 from node_agent.nvml.backend import (
     GPU_INSTANCE_PROFILE_INDEXES,
     DeviceInfo,
@@ -82,7 +82,7 @@ def discover(
                 count=min(split_count, MPS_MAX_CLIENTS) if mode == "mps" else split_count,
                 devmem=int(dev.memory_mib * (memory_scaling if scaled else 1.0)),
                 devcore=int(100 * (core_scaling if scaled else 1.0)),
-                type=dev.name,
+                type=registered_type(dev.name),
                 numa=dev.numa_node,
                 health=dev.healthy,
                 mode=mode,

@@ -11,7 +11,7 @@ from api.errors import InvalidConfigError
 from api.hami.catalog import MODELS, simulated_devices
 from api.hami.config import DeviceConfig, load_config
 from api.hami.keys import GpuMode
-from api.hami.register import decode, encode
+from api.hami.register import decode, encode, registered_type
 from node_agent.nvml import (
     BACKEND_KINDS,
     GpuInstanceProfileInfo,
@@ -208,3 +208,15 @@ def test_make_backend_lists_valid_kinds() -> None:
         make_backend("mock")
     with pytest.raises(InvalidConfigError, match="at least one GPU"):
         make_backend("simulated")
+
+
+@pytest.mark.parametrize(
+    ("name", "registered"),
+    [
+        ("NVIDIA A100-PCIE-40GB", "NVIDIA A100-PCIE-40GB"),
+        ("Tesla T4", "NVIDIA-Tesla T4"),
+        ("Quadro RTX 8000", "NVIDIA-Quadro RTX 8000"),
+    ],
+)
+def test_the_registered_type_is_hamis(name: str, registered: str) -> None:
+    assert registered_type(name) == registered
