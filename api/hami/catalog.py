@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from api.hami.config import DeviceConfig
 from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, GpuMode, parse_gpu_mode
-from api.hami.register import GpuDevice, MigProfile, Placement, encode, registered_type
+from api.hami.register import (
+    GpuDevice,
+    MigProfile,
+    Placement,
+    encode,
+    mig_count,
+    registered_type,
+)
 
 # NVML profile *index* constants (NVML_GPU_INSTANCE_PROFILE_*).
 IDX_1_SLICE = 0
@@ -207,7 +214,8 @@ def simulated_devices(
 ) -> tuple[GpuDevice, ...]:
     """The GPUs a node of ``gpu_count`` × ``model`` registers in ``mode`` under ``config``.
 
-    ``migProfiles`` lists the allowlisted profiles the model resolves, only in mig mode;
+    ``migProfiles`` lists the allowlisted profiles the model resolves, only in mig mode (a
+    model with none registers no GPU there; ``count`` is the most instances of one);
     memory scaling applies in hami-core and mps mode, and an mps GPU has at most
     ``MPS_MAX_CLIENTS`` slots (as the node agent's discovery registers them).
     """
@@ -218,15 +226,18 @@ def simulated_devices(
     scaling = node_cfg.device_memory_scaling or cfg.device_memory_scaling
     allowed = cfg.allowed_profiles(m.name)
     profiles: tuple[MigProfile, ...] = ()
+    count = min(split, MPS_MAX_CLIENTS) if mode == "mps" else split
     if mode == "mig":
-        profiles = tuple(
-            m.mig_profile(fact) for name in allowed if (fact := m.profile(name)) is not None
-        )
+        facts = [fact for name in allowed if (fact := m.profile(name)) is not None]
+        profiles = tuple(m.mig_profile(fact) for fact in facts)
+        count = mig_count([fact.instance_count for fact in facts]) or count
+        if not profiles:
+            return ()  # nothing to register in mig mode (as the node agent's discovery)
     return tuple(
         GpuDevice(
             id=simulated_gpu_uuid(node_name, i),
             index=i,
-            count=min(split, MPS_MAX_CLIENTS) if mode == "mps" else split,
+            count=count,
             devmem=int(m.memory_mib * (scaling if mode in ("hami-core", "mps") else 1.0)),
             devcore=100,
             type=registered_type(m.name),

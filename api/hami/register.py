@@ -68,6 +68,12 @@ def registered_type(name: str) -> str:
     return name if name.startswith("NVIDIA") else f"NVIDIA-{name}"
 
 
+def mig_count(instance_counts: list[int]) -> int:
+    """The ``count`` a GPU in mig mode registers: as HAMi, the most instances any of its
+    registered profiles allows (7 on an A100 with 1g.5gb allowed); 0 with no profile."""
+    return max(instance_counts, default=0)
+
+
 def encode(devices: list[GpuDevice] | tuple[GpuDevice, ...]) -> str:
     """The bytes HAMi's device plugin writes for the same GPUs: Go ``encoding/json`` of its
     ``DeviceInfo`` list, keys in struct order, every field ``omitempty``."""

@@ -23,7 +23,7 @@ import structlog
 
 from api.hami.catalog import UnknownModelError, find_model
 from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
-from api.hami.register import GpuDevice, MigProfile, registered_type
+from api.hami.register import GpuDevice, MigProfile, mig_count, registered_type
 from node_agent.nvml.backend import (
     GPU_INSTANCE_PROFILE_INDEXES,
     DeviceInfo,
@@ -73,13 +73,27 @@ def discover(
             continue
         profiles: tuple[MigProfile, ...] = ()
         scaled = mode in _SCALED_MODES
+        count = min(split_count, MPS_MAX_CLIENTS) if mode == "mps" else split_count
         if mode == "mig":
-            profiles = mig_profiles(backend, dev, allowlist_profiles_for(dev.name))
+            found = mig_profiles(backend, dev, allowlist_profiles_for(dev.name))
+            if not found and dev.healthy:
+                # As HAMi: a GPU that offers no allowlisted profile (MIG off, none allowed
+                # for its model) has nothing to register in mig mode.
+                log.info(
+                    "discovery.gpu_left_out",
+                    gpu=dev.uuid,
+                    index=dev.index,
+                    model=dev.name,
+                    reason="no allowlisted MIG profile resolves on it (MIG mode off?)",
+                )
+                continue
+            profiles = tuple(p for p, _ in found)
+            count = mig_count([n for _, n in found]) or count
         devices.append(
             GpuDevice(
                 id=dev.uuid,
                 index=dev.index,
-                count=min(split_count, MPS_MAX_CLIENTS) if mode == "mps" else split_count,
+                count=count,
                 devmem=int(dev.memory_mib * (memory_scaling if scaled else 1.0)),
                 devcore=int(100 * (core_scaling if scaled else 1.0)),
                 type=registered_type(dev.name),
@@ -104,8 +118,9 @@ def unregistered(backend: NvmlBackend, registers: Callable[[str, int], bool]) ->
 
 def mig_profiles(
     backend: NvmlBackend, dev: DeviceInfo, allowed: tuple[str, ...]
-) -> tuple[MigProfile, ...]:
-    """The allowlisted profiles NVML resolves on ``dev``; none unless MIG mode is on."""
+) -> tuple[tuple[MigProfile, int], ...]:
+    """The allowlisted profiles NVML resolves on ``dev``, each with how many instances of
+    it the GPU allows; none unless MIG mode is on."""
     if not allowed or dev.multiprocessor_count <= 0:
         return ()
     try:
@@ -114,7 +129,7 @@ def mig_profiles(
     except NotSupported:
         return ()
     resolved = resolve_profiles(backend, dev)
-    out: list[MigProfile] = []
+    out: list[tuple[MigProfile, int]] = []
     for name in allowed:
         info = resolved.get(name)
         if info is None:
@@ -122,15 +137,14 @@ def mig_profiles(
         placements = tuple(backend.gpu_instance_possible_placements(dev.index, info.id))
         if not placements:
             continue
-        out.append(
-            MigProfile(
-                name=name,
-                memory_mb=info.memory_mib,
-                core=math.ceil(info.multiprocessor_count * 100 / dev.multiprocessor_count),
-                slice_count=info.slice_count,
-                placements=placements,
-            )
+        profile = MigProfile(
+            name=name,
+            memory_mb=info.memory_mib,
+            core=math.ceil(info.multiprocessor_count * 100 / dev.multiprocessor_count),
+            slice_count=info.slice_count,
+            placements=placements,
         )
+        out.append((profile, info.instance_count))
     return tuple(out)
 
 

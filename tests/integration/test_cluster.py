@@ -11,7 +11,7 @@ import pytest
 
 from api.hami.catalog import find_model
 from api.hami.keys import NODE_REGISTER
-from api.hami.register import decode
+from api.hami.register import decode, registered_type
 from scheduler_plugins.devtools.cluster import processes
 from scheduler_plugins.devtools.cluster.certs import ensure_tokens
 from scheduler_plugins.devtools.cluster.cluster import APISERVER, ETCD, KWOK, Cluster
@@ -51,12 +51,15 @@ def test_fake_nodes_are_ready_with_expected_gpus(dev_cluster: ClusterClient) -> 
         assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
         # Schedulable: no controller-manager would lift a not-ready taint.
         assert not node["spec"].get("taints"), node["spec"]
-        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(group.gpus_per_node * 10)
+        # deviceSplitCount slots per GPU; in mig mode HAMi's count, the most instances of one
+        # profile (seven 1g on every MIG model of the profile)
+        slots = 7 if group.mode == "mig" else 10
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(group.gpus_per_node * slots)
         devices = decode(node["metadata"]["annotations"][NODE_REGISTER], obj=name)
         assert len(devices) == group.gpus_per_node
-        assert {d.type for d in devices} == {find_model(group.model).name}
+        assert {d.type for d in devices} == {registered_type(find_model(group.model).name)}
         assert {d.mode for d in devices} == {group.mode}
-        assert all(d.count == 10 and d.health for d in devices)
+        assert all(d.count == slots and d.health for d in devices)
         assert all(bool(d.mig_profiles) == (group.mode == "mig") for d in devices)
 
 

@@ -111,10 +111,11 @@ def test_node_object_carries_kwok_markers_resources_and_register_annotation() ->
     assert meta["labels"]["type"] == "kwok"
     assert meta["labels"]["gpu"] == "on"
     assert meta["annotations"]["kwok.x-k8s.io/node"] == "fake"
-    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "80"
+    # the slots its GPUs register: in mig mode HAMi's count, seven 1g.10gb per H100
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "56"
     assert node["status"]["capacity"] == node["status"]["allocatable"]
     devices = decode(meta["annotations"][NODE_REGISTER])
-    assert len(devices) == 8
+    assert len(devices) == 8 and sum(d.count for d in devices) == 56
     assert all(d.mode == "mig" and d.mig_profiles for d in devices)
 
 

@@ -103,10 +103,34 @@ def test_filtered_devices_are_not_registered_and_not_the_agents() -> None:
     sim.shutdown()
 
 
-def test_gpu_with_mig_disabled_registers_no_profiles() -> None:
-    sim = node(A100, 1, mig_enabled=False)
+def test_in_mig_mode_a_gpu_with_mig_disabled_is_left_out() -> None:
+    """As HAMi: it offers no profile, so a mig-mode node has nothing of it to register."""
+    sim = SimulatedNvml(
+        [SimulatedGpuSpec(A100, mig_enabled=False), SimulatedGpuSpec(A100)], node_name="node-a"
+    )
+    sim.init()
     (dev,) = discover(sim, DeviceConfig().allowed_profiles, "mig", 10, 1.0)
-    assert dev.mig_profiles == ()
+    assert dev.index == 1 and dev.mig_profiles
+    sim.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("allowed", "count"),
+    [
+        (("1g.5gb", "2g.10gb", "3g.20gb", "7g.40gb"), 7),  # seven 1g.5gb
+        (("2g.10gb", "7g.40gb"), 3),
+        (("3g.20gb",), 2),
+        (("7g.40gb",), 1),
+    ],
+)
+def test_a_mig_gpu_counts_the_most_instances_of_one_profile(
+    allowed: tuple[str, ...], count: int
+) -> None:
+    """HAMi's ``count`` for a GPU in mig mode: the most instances any registered profile
+    allows (its device plugin's slots on that GPU), not deviceSplitCount."""
+    sim = node(A100, 1)
+    (dev,) = discover(sim, lambda _name: allowed, "mig", 10, 1.0)
+    assert dev.count == count
     sim.shutdown()
 
 

@@ -1,7 +1,8 @@
 """Fake GPU nodes for the dev cluster: a node profile (YAML) → kwok Node objects → the API.
 
 Each node is managed by kwok (annotation ``kwok.x-k8s.io/node: fake``, label ``type: kwok``),
-advertises ``nvidia.com/gpu`` = GPUs × deviceSplitCount, and carries the
+advertises ``nvidia.com/gpu`` = the slots its GPUs register (GPUs × deviceSplitCount in
+hami-core mode), and carries the
 ``hami.io/node-nvidia-register`` annotation a simulated node agent would write for its GPUs.
 
 Profile format (``examples/cluster-profile.yaml``)::
@@ -30,9 +31,10 @@ import structlog
 import yaml
 
 from api.errors import InvalidConfigError
-from api.hami.catalog import UnknownModelError, find_model, simulated_register_json
+from api.hami.catalog import UnknownModelError, find_model, simulated_devices
 from api.hami.config import DeviceConfig, load_config_file
-from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, NODE_REGISTER, GpuMode
+from api.hami.keys import GPU_MODES, NODE_REGISTER, GpuMode
+from api.hami.register import encode
 from scheduler_plugins.devtools.cluster.errors import ClusterError, ProfileError
 from scheduler_plugins.devtools.cluster.kubeapi import KubeApi
 from scheduler_plugins.devtools.progress import Progress
@@ -214,21 +216,19 @@ def _labels(raw: object, where: str) -> dict[str, str]:
 
 def node_object(name: str, group: NodeGroup, config: DeviceConfig, *, now: float) -> dict[str, Any]:
     """The Node a kwok fake GPU node is created as (status included)."""
-    split = config.node(name).device_split_count or config.device_split_count
-    if group.mode == "mps":
-        split = min(split, MPS_MAX_CLIENTS)  # the slots each GPU registers
-    register = simulated_register_json(name, group.model, group.gpus_per_node, group.mode, config)
+    devices = simulated_devices(name, group.model, group.gpus_per_node, group.mode, config)
     return _kwok_node(
         name,
         {
             "cpu": group.cpu,
             "memory": group.memory,
             "pods": group.pods,
-            config.resource_count_name: str(group.gpus_per_node * split),
+            # the device plugin's slots: each GPU's registered count
+            config.resource_count_name: str(sum(d.count for d in devices)),
         },
         group.labels,
         {
-            NODE_REGISTER: register,
+            NODE_REGISTER: encode(devices),
             # HAMi's scheduler only trusts a register annotation with a fresh handshake.
             HANDSHAKE_ANNOTATION: "Reported "
             + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)),
