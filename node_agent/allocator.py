@@ -53,6 +53,7 @@ from api.hami.keys import (
     MIG_ALLOCATIONS,
     VGPU_NODE_LABEL,
     GpuMode,
+    parse_go_bool,
     vgpu_node_labels,
 )
 from api.hami.matching import next_container, to_allocate
@@ -563,7 +564,12 @@ def _list(value: object) -> list[Any]:
 
 
 def _control_disabled(container: Mapping[str, Any]) -> bool:
-    for env in _list(container.get("env")):
-        if isinstance(env, Mapping) and env.get("name") == "CUDA_DISABLE_CONTROL":
-            return str(env.get("value", "")).lower() == "true"
-    return False
+    """Whether the container opts out of HAMi-core's preload: as HAMi, any
+    ``CUDA_DISABLE_CONTROL`` entry that Go's ``ParseBool`` reads as true (``1``, ``t``,
+    ``TRUE``, ...); false or unreadable entries are passed over."""
+    return any(
+        isinstance(env, Mapping)
+        and env.get("name") == "CUDA_DISABLE_CONTROL"
+        and parse_go_bool(str(env.get("value", ""))) is True
+        for env in _list(container.get("env"))
+    )

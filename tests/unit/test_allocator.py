@@ -91,6 +91,31 @@ def test_control_disabled_skips_preload_and_scaling_oversubscribes(
 
 
 @pytest.mark.parametrize(
+    ("values", "preloaded"),
+    [
+        (["true"], False),
+        (["1"], False),
+        (["t"], False),
+        (["TRUE"], False),
+        (["false"], True),
+        (["yes"], True),  # not a Go bool: passed over, as HAMi does
+        (["tRuE"], True),
+        (["false", "true"], False),  # a later true entry still counts
+        ([], True),
+    ],
+)
+def test_control_is_disabled_as_gos_parsebool_reads_the_env(
+    backend: SimulatedNvml, values: list[str], preloaded: bool
+) -> None:
+    kube = FakeKube()
+    env = [{"name": "CUDA_DISABLE_CONTROL", "value": v} for v in values]
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]], containers=[{"name": "c", "env": env}]))
+    alloc, _ = allocator(kube, backend)
+    [out] = alloc.allocate([[f"{G0}-0"]])
+    assert ("/etc/ld.so.preload" in {m.container_path for m in out.mounts}) is preloaded
+
+
+@pytest.mark.parametrize(
     ("settings", "node_level", "limits", "expected"),
     [
         ({}, None, {}, {}),
