@@ -97,6 +97,14 @@ def _to_proto_allocation(a: ContainerAllocation) -> api_pb2.ContainerAllocateRes
     )
 
 
+# As HAMi's device plugin: the kubelet asks for a preferred allocation (the allocating pod's
+# GPUs), and never calls PreStartContainer, which the agent has nothing to do in (requiring it
+# would also block a GPU container's restart while the agent is down).
+_OPTIONS: Final = api_pb2.DevicePluginOptions(
+    pre_start_required=False, get_preferred_allocation_available=True
+)
+
+
 class _Servicer(api_pb2_grpc.DevicePluginServicer):
     """Translates DevicePlugin RPCs to the injected inventory, handler and policy."""
 
@@ -119,9 +127,7 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):
     def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
     ) -> api_pb2.DevicePluginOptions:
-        return api_pb2.DevicePluginOptions(
-            pre_start_required=True, get_preferred_allocation_available=True
-        )
+        return _OPTIONS
 
     def ListAndWatch(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
@@ -395,9 +401,7 @@ class DevicePluginServer:
             version=API_VERSION,
             endpoint=self.socket_name,
             resource_name=self.resource_name,
-            options=api_pb2.DevicePluginOptions(
-                pre_start_required=True, get_preferred_allocation_available=True
-            ),
+            options=_OPTIONS,
         )
         with grpc.insecure_channel(f"unix:{self.kubelet_socket}") as channel:
             register = channel.unary_unary(

@@ -108,7 +108,7 @@ def test_registers_with_kubelet_and_streams_devices_with_topology(
     assert conn.request.version == "v1beta1"
     assert conn.request.endpoint == SOCKET
     assert conn.request.resource_name == RESOURCE
-    assert conn.request.options.pre_start_required
+    assert not conn.request.options.pre_start_required  # as HAMi: nothing to do there
     assert conn.request.options.get_preferred_allocation_available
     assert conn.options == conn.request.options
 
