@@ -42,7 +42,7 @@ import structlog
 from api.errors import TemporaryError, TesseraError
 from api.hami.config import DeviceConfig
 from api.hami.keys import GpuMode
-from node_agent.allocator import Allocator
+from node_agent.allocator import Allocator, HostDirs
 from node_agent.deviceplugin.ids import SlotInventory
 from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePluginServer
 from node_agent.identities import IdentityFixer, PodResourcesLister
@@ -94,11 +94,13 @@ class NodeAgent:
         mps_check_interval_s: float = 5.0,
         pod_resources: PodResourcesLister | None = None,
         identity_check_s: float = 0.5,
+        host_dirs: HostDirs | None = None,
     ) -> None:
         self.node_name = node_name
         self._kube = kube
         self._backend = backend
         self._config = config
+        self._host_dirs = host_dirs
         self.plugin_dir = Path(plugin_dir)
         self.resource_name = resource_name or config.resource_count_name
         self.socket_name = socket_name
@@ -168,6 +170,7 @@ class NodeAgent:
                 operating_mode=self.mode,
                 mps=mps,
                 identities=identities,
+                host_dirs=self._host_dirs,
             )
             loops: list[tuple[str, Callable[[], None]]] = [
                 ("register", lambda: self._register_loop(registrar, halt, wake_register)),

@@ -35,6 +35,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol
 
 import structlog
@@ -99,6 +100,23 @@ class _Given(NamedTuple):
     mig: tuple[MigAllocation, ...] = ()
 
 
+class HostDirs:
+    """The host directories a hami-core container mounts writable, created before Allocate
+    answers, as HAMi's device plugin does: the container's own cache directory and
+    ``/tmp/vgpulock``, world-writable (0777 whatever the umask) so that HAMi-core in a
+    container of any user can write its shared cache and locks (a bind mount's missing host
+    directory would be created root-owned). The paths are the host's, which the agent sees
+    at the same paths (the chart mounts them there)."""
+
+    def __init__(self, lock_dir: str = VGPU_LOCK) -> None:
+        self.lock_dir = lock_dir
+
+    def prepare(self, container_dir: str) -> None:
+        for path in (Path(container_dir), Path(self.lock_dir)):
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o777)
+
+
 class _Listed(NamedTuple):
     """The node's pods as one list read them, and the MIG manager's ``changes`` count read
     just before (None without a MIG manager)."""
@@ -134,9 +152,11 @@ class Allocator:
         cache_name: Callable[[], str] = lambda: str(uuid.uuid4()),
         mps: MpsDaemons | None = None,
         identities: IdentityFixer | None = None,
+        host_dirs: HostDirs | None = None,
     ) -> None:
         self.node_name = node_name
         self._identities = identities
+        self._host_dirs = host_dirs
         self._kube = kube
         self._backend = backend
         self._mig = mig_manager
@@ -405,9 +425,18 @@ class Allocator:
                 f"pod {pod_key(pod)}: uid {short_repr(uid)} and container name "
                 f"{short_repr(name)} must be plain names to name the container's host directory"
             )
+        container_dir = f"{self._host_hook}/vgpu/containers/{uid}_{name}"
+        if self._host_dirs is not None:
+            try:
+                self._host_dirs.prepare(container_dir)
+            except OSError as e:
+                raise AllocationRefusedError(
+                    f"pod {pod_key(pod)}: cannot prepare the host directories HAMi-core "
+                    f"writes in ({container_dir}, {self._host_dirs.lock_dir}): {e}"
+                ) from e
         mounts = [
             Mount(LIBVGPU, f"{self._host_hook}/vgpu/libvgpu.so", True),
-            Mount(HOOK_DIR, f"{self._host_hook}/vgpu/containers/{uid}_{name}", False),
+            Mount(HOOK_DIR, container_dir, False),
             Mount(VGPU_LOCK, VGPU_LOCK, False),
         ]
         if not _control_disabled(container):

@@ -67,6 +67,14 @@ def add_node_agent_commands(
         "handed to interchangeable pods (default: /var/lib/kubelet/pod-resources/kubelet.sock; "
         "'' turns the check off)",
     )
+    run.add_argument(
+        "--prepare-host-dirs",
+        action="store_true",
+        help="before answering a hami-core Allocate, create the container's host directory "
+        "under /usr/local/vgpu/containers and /tmp/vgpulock world-writable, as HAMi's "
+        "device plugin does (the host's /usr/local/vgpu and /tmp/vgpulock must be mounted at "
+        "the same paths in the agent)",
+    )
     logging_flags(run)
     run.set_defaults(func=_cmd_run)
     kwok = sub.add_parser("kwok", help="simulated node agents for kwok fake nodes")
@@ -115,6 +123,7 @@ def _stop_on_signals() -> threading.Event:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from node_agent.agent import NodeAgent
+    from node_agent.allocator import HostDirs
     from node_agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
     from node_agent.identities import DEFAULT_POD_RESOURCES_SOCKET, KubeletPodResources
     from node_agent.mps import DEFAULT_ROOT, mps_backend_from_env
@@ -141,6 +150,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             mps_backend=mps,
             mps_check_interval_s=args.mps_check_interval,
             pod_resources=KubeletPodResources(socket) if socket else None,
+            host_dirs=HostDirs() if args.prepare_host_dirs else None,
         ).run(done)
     return 0
 

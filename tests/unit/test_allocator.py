@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +17,7 @@ from api.hami.devices import decode_mig_allocations
 from api.hami.keys import BIND_PHASE, DEVICES_TO_ALLOCATE, MIG_ALLOCATIONS, VGPU_NODE_LABEL
 from api.hami.register import Placement
 from api.kube.errors import ServerError
-from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator
+from node_agent.allocator import HOOK_DIR, AllocationRefusedError, Allocator, HostDirs
 from node_agent.deviceplugin.ids import InvalidDeviceIdError, prefer_spread
 from node_agent.deviceplugin.types import Mount
 from node_agent.mig_manager import MigAllocationError, MigManager
@@ -196,6 +199,61 @@ def test_node_label_is_added_when_missing_and_left_when_present(backend: Simulat
     kube.add_pod(labelled)
     alloc.allocate([[f"{G1}-0"]])
     assert "labels" not in kube.patches[-1][1]["metadata"]
+
+
+@pytest.fixture
+def strict_umask() -> Iterator[None]:
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_host_dirs_are_made_world_writable_before_allocate_answers(
+    backend: SimulatedNvml, tmp_path: Path, strict_umask: None
+) -> None:
+    """As HAMi's: the container's cache directory and the lock directory exist, 0777 under
+    any umask, when the kubelet mounts them (a container of any user writes there)."""
+    kube = FakeKube()
+    pod = make_pod("p", devices=[[(G0, 1000, 10)]])
+    kube.add_pod(pod)
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "hami-core"),))
+    hook, lock = tmp_path / "usr-local", tmp_path / "vgpulock"
+    alloc = Allocator(
+        NODE,
+        kube,
+        backend,
+        MigManager(backend, node_name=NODE),
+        cfg,
+        host_hook_dir=str(hook),
+        host_dirs=HostDirs(lock_dir=str(lock)),
+    )
+    [out] = alloc.allocate([[f"{G0}-0"]])
+    container_dir = next(m.host_path for m in out.mounts if m.container_path == HOOK_DIR)
+    for path in (Path(container_dir), lock):
+        assert path.is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o777, path
+
+
+def test_a_host_dir_that_cannot_be_made_fails_the_pod_naming_it(
+    backend: SimulatedNvml, tmp_path: Path
+) -> None:
+    kube = FakeKube()
+    path = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    (tmp_path / "file").write_text("")
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "hami-core"),))
+    alloc = Allocator(
+        NODE,
+        kube,
+        backend,
+        MigManager(backend, node_name=NODE),
+        cfg,
+        host_hook_dir=str(tmp_path),
+        host_dirs=HostDirs(lock_dir=str(tmp_path / "file" / "vgpulock")),
+    )
+    with pytest.raises(AllocationRefusedError, match="cannot prepare the host directories"):
+        alloc.allocate([[f"{G0}-0"]])
+    assert kube.annotations(path)[BIND_PHASE] == "failed"
 
 
 def test_no_node_label_where_the_node_name_is_too_long_for_one(backend: SimulatedNvml) -> None:
