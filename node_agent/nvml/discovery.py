@@ -63,13 +63,7 @@ def discover(
         if not registers(dev.uuid, dev.index):
             continue
         if dev.memory_mib <= 0:
-            log.warning(
-                "discovery.gpu_left_out",
-                gpu=dev.uuid,
-                index=dev.index,
-                model=dev.name,
-                reason="NVML reports no memory size for it (lost before it was ever read)",
-            )
+            _left_out(dev, "NVML reports no memory size for it (lost before it was ever read)")
             continue
         profiles: tuple[MigProfile, ...] = ()
         scaled = mode in _SCALED_MODES
@@ -79,13 +73,7 @@ def discover(
             if not found and dev.healthy:
                 # As HAMi: a GPU that offers no allowlisted profile (MIG off, none allowed
                 # for its model) has nothing to register in mig mode.
-                log.info(
-                    "discovery.gpu_left_out",
-                    gpu=dev.uuid,
-                    index=dev.index,
-                    model=dev.name,
-                    reason="no allowlisted MIG profile resolves on it (MIG mode off?)",
-                )
+                _left_out(dev, "no allowlisted MIG profile resolves on it (MIG mode off?)")
                 continue
             profiles = tuple(p for p, _ in found)
             count = mig_count([n for _, n in found]) or count
@@ -104,6 +92,12 @@ def discover(
             )
         )
     return tuple(devices)
+
+
+def _left_out(dev: DeviceInfo, reason: str) -> None:
+    log.warning(
+        "discovery.gpu_left_out", gpu=dev.uuid, index=dev.index, model=dev.name, reason=reason
+    )
 
 
 def unregistered(backend: NvmlBackend, registers: Callable[[str, int], bool]) -> frozenset[int]:

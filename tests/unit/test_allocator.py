@@ -210,25 +210,24 @@ def strict_umask() -> Iterator[None]:
         os.umask(old)
 
 
+def _preparing(kube: FakeKube, backend: SimulatedNvml, hook: Path, lock: Path) -> Allocator:
+    """A hami-core node's allocator that prepares the host dirs under ``hook`` and ``lock``."""
+    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "hami-core"),))
+    mig = MigManager(backend, node_name=NODE)
+    return Allocator(
+        NODE, kube, backend, mig, cfg, host_hook_dir=str(hook), host_dirs=HostDirs(str(lock))
+    )
+
+
 def test_host_dirs_are_made_world_writable_before_allocate_answers(
     backend: SimulatedNvml, tmp_path: Path, strict_umask: None
 ) -> None:
     """As HAMi's: the container's cache directory and the lock directory exist, 0777 under
     any umask, when the kubelet mounts them (a container of any user writes there)."""
     kube = FakeKube()
-    pod = make_pod("p", devices=[[(G0, 1000, 10)]])
-    kube.add_pod(pod)
-    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "hami-core"),))
-    hook, lock = tmp_path / "usr-local", tmp_path / "vgpulock"
-    alloc = Allocator(
-        NODE,
-        kube,
-        backend,
-        MigManager(backend, node_name=NODE),
-        cfg,
-        host_hook_dir=str(hook),
-        host_dirs=HostDirs(lock_dir=str(lock)),
-    )
+    kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
+    lock = tmp_path / "vgpulock"
+    alloc = _preparing(kube, backend, tmp_path / "usr-local", lock)
     [out] = alloc.allocate([[f"{G0}-0"]])
     container_dir = next(m.host_path for m in out.mounts if m.container_path == HOOK_DIR)
     for path in (Path(container_dir), lock):
@@ -241,16 +240,7 @@ def test_a_host_dir_that_cannot_be_made_fails_the_pod_naming_it(
     kube = FakeKube()
     path = kube.add_pod(make_pod("p", devices=[[(G0, 1000, 10)]]))
     (tmp_path / "file").write_text("")
-    cfg = DeviceConfig(nodeconfig=(NodeConfig(NODE, "hami-core"),))
-    alloc = Allocator(
-        NODE,
-        kube,
-        backend,
-        MigManager(backend, node_name=NODE),
-        cfg,
-        host_hook_dir=str(tmp_path),
-        host_dirs=HostDirs(lock_dir=str(tmp_path / "file" / "vgpulock")),
-    )
+    alloc = _preparing(kube, backend, tmp_path, tmp_path / "file" / "vgpulock")
     with pytest.raises(AllocationRefusedError, match="cannot prepare the host directories"):
         alloc.allocate([[f"{G0}-0"]])
     assert kube.annotations(path)[BIND_PHASE] == "failed"
