@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import structlog
 
@@ -457,6 +457,14 @@ class NodeQueues:
 # The agents ------------------------------------------------------------------------------------
 
 
+class ReconcileMarks(NamedTuple):
+    """What a node's reconcile reads, as counts that move when it changes."""
+
+    pods: int  # the pod index's change mark for the node
+    gpus: int  # the simulated GPUs' changes
+    mig: int  # the MIG manager's record changes (``MigManager.changes``)
+
+
 @dataclass
 class FakeNode:
     name: str
@@ -471,7 +479,7 @@ class FakeNode:
     published: dict[str, bool] = field(default_factory=dict)
     # What the last reconcile that found nothing to do read: the node's pods' mark, the
     # simulated GPUs' and the manager's change counts (``KwokAgents.reconcile``).
-    settled_at: tuple[int, int, int] | None = None
+    settled_at: ReconcileMarks | None = None
 
 
 class KwokAgents:
@@ -640,12 +648,14 @@ class KwokAgents:
         if seen == node.settled_at:
             return
         read = desired_from_pods(self.pods.on_node(node.name), node_name=node.name)
-        report = node.mig.reconcile(read.desired, reason=read.reason, as_of=seen[2])
+        report = node.mig.reconcile(read.desired, reason=read.reason, as_of=seen.mig)
         node.settled_at = seen if report.settled else None
 
-    def _marks(self, node: FakeNode) -> tuple[int, int, int]:
+    def _marks(self, node: FakeNode) -> ReconcileMarks:
         """What a reconcile of ``node`` reads, as marks that move when it changes."""
-        return (self.pods.changed_at(node.name), node.backend.changes, node.mig.changes)
+        return ReconcileMarks(
+            self.pods.changed_at(node.name), node.backend.changes, node.mig.changes
+        )
 
     def check_mps(self, node: FakeNode) -> None:
         """One check of the node's MPS daemons (restarting those down), then the register

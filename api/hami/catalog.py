@@ -16,13 +16,13 @@ import math
 from dataclasses import dataclass
 
 from api.hami.config import DeviceConfig
-from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, GpuMode, parse_gpu_mode
+from api.hami.keys import GPU_MODES, GpuMode, parse_gpu_mode
 from api.hami.register import (
     GpuDevice,
     MigProfile,
     Placement,
     encode,
-    mig_count,
+    registered_count,
     registered_type,
 )
 
@@ -225,14 +225,11 @@ def simulated_devices(
     split = node_cfg.device_split_count or cfg.device_split_count
     scaling = node_cfg.device_memory_scaling or cfg.device_memory_scaling
     allowed = cfg.allowed_profiles(m.name)
-    profiles: tuple[MigProfile, ...] = ()
-    count = min(split, MPS_MAX_CLIENTS) if mode == "mps" else split
-    if mode == "mig":
-        facts = [fact for name in allowed if (fact := m.profile(name)) is not None]
-        profiles = tuple(m.mig_profile(fact) for fact in facts)
-        count = mig_count([fact.instance_count for fact in facts]) or count
-        if not profiles:
-            return ()  # nothing to register in mig mode (as the node agent's discovery)
+    facts = [f for name in allowed if (f := m.profile(name)) is not None] if mode == "mig" else []
+    profiles = tuple(m.mig_profile(fact) for fact in facts)
+    count = registered_count(mode, split, [fact.instance_count for fact in facts])
+    if mode == "mig" and not profiles:
+        return ()  # nothing to register in mig mode (as the node agent's discovery)
     return tuple(
         GpuDevice(
             id=simulated_gpu_uuid(node_name, i),

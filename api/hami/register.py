@@ -10,12 +10,13 @@ earlier Tessera wrote: zero fields written or left out, v2.8/v2.9's trailing
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from api.errors import short_repr
 from api.hami.jsonvalue import Bad, annotation_errors, load_json
-from api.hami.keys import GPU_MODES, NODE_REGISTER, GpuMode, parse_gpu_mode
+from api.hami.keys import GPU_MODES, MPS_MAX_CLIENTS, NODE_REGISTER, GpuMode, parse_gpu_mode
 
 
 @dataclass(frozen=True, order=True)
@@ -68,10 +69,14 @@ def registered_type(name: str) -> str:
     return name if name.startswith("NVIDIA") else f"NVIDIA-{name}"
 
 
-def mig_count(instance_counts: list[int]) -> int:
-    """The ``count`` a GPU in mig mode registers: as HAMi, the most instances any of its
-    registered profiles allows (7 on an A100 with 1g.5gb allowed); 0 with no profile."""
-    return max(instance_counts, default=0)
+def registered_count(mode: GpuMode, split_count: int, instance_counts: Sequence[int] = ()) -> int:
+    """The ``count`` (slots) a GPU registers, as HAMi's device plugin: ``deviceSplitCount``;
+    on an mps GPU at most ``MPS_MAX_CLIENTS`` (one daemon serves no more); on a mig GPU the
+    most instances any of its registered profiles (``instance_counts``) allows (7 on an A100
+    with 1g.5gb allowed), ``deviceSplitCount`` while it has none."""
+    if mode == "mig" and instance_counts:
+        return max(instance_counts)
+    return min(split_count, MPS_MAX_CLIENTS) if mode == "mps" else split_count
 
 
 def encode(devices: list[GpuDevice] | tuple[GpuDevice, ...]) -> str:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import structlog
 
 from api.hami.catalog import UnknownModelError, find_model
-from api.hami.keys import MPS_MAX_CLIENTS, GpuMode
-from api.hami.register import GpuDevice, MigProfile, mig_count, registered_type
+from api.hami.keys import GpuMode
+from api.hami.register import GpuDevice, MigProfile, registered_count, registered_type
 from node_agent.nvml.backend import (
     GPU_INSTANCE_PROFILE_INDEXES,
     DeviceInfo,
@@ -67,7 +67,7 @@ def discover(
             continue
         profiles: tuple[MigProfile, ...] = ()
         scaled = mode in _SCALED_MODES
-        count = min(split_count, MPS_MAX_CLIENTS) if mode == "mps" else split_count
+        instance_counts: list[int] = []
         if mode == "mig":
             found = mig_profiles(backend, dev, allowlist_profiles_for(dev.name))
             if not found and dev.healthy:
@@ -76,12 +76,12 @@ def discover(
                 _left_out(dev, "no allowlisted MIG profile resolves on it (MIG mode off?)")
                 continue
             profiles = tuple(p for p, _ in found)
-            count = mig_count([n for _, n in found]) or count
+            instance_counts = [n for _, n in found]
         devices.append(
             GpuDevice(
                 id=dev.uuid,
                 index=dev.index,
-                count=count,
+                count=registered_count(mode, split_count, instance_counts),
                 devmem=int(dev.memory_mib * (memory_scaling if scaled else 1.0)),
                 devcore=int(100 * (core_scaling if scaled else 1.0)),
                 type=registered_type(dev.name),
